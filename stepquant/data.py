@@ -1,0 +1,119 @@
+"""The shipped real text and its deterministic splits, plus loading a user's own text.
+
+Three sources live in data/ (see data/README.md for versions, licences and attribution):
+English Wikipedia lead paragraphs ("wiki", the WikiText-like calibration source), US State of
+the Union addresses 1790-2021 ("sotu", long documents) and the Brown Corpus ("brown", 15 genres).
+
+Splits, fixed forever so numbers stay comparable:
+- a document is *held out* when sha1("<source>:<id>") read as an integer is 0 mod 10 (~10%);
+- documents are ordered by that hash (a deterministic shuffle) and joined with the EOS token;
+- "train": the non-held-out documents of all three sources (what the shipped models saw);
+- "calib": the non-held-out wiki stream; calibration takes its first segments (default
+  32 x 2048 tokens, as the paper does with WikiText-2 train);
+- "wiki", "sotu", "brown": the held-out stream of each source, for evaluation.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+SOURCES = ("wiki", "sotu", "brown")
+EVAL_STREAMS = SOURCES
+SPLITS = ("train", "calib", *EVAL_STREAMS)
+
+
+def _hash(source: str, doc_id: str) -> int:
+    return int(hashlib.sha1(f"{source}:{doc_id}".encode()).hexdigest(), 16)
+
+
+def is_heldout(source: str, doc_id: str) -> bool:
+    return _hash(source, doc_id) % 10 == 0
+
+
+def load_documents(source: str) -> list[dict]:
+    """All documents of one shipped source, in hash order."""
+    if source not in SOURCES:
+        raise ValueError(f"unknown text source {source!r}; shipped sources are {', '.join(SOURCES)}")
+    path = DATA_DIR / f"{source}.jsonl.gz"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing; it ships with the repository (git checkout data/)")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        docs = [json.loads(line) for line in f]
+    return sorted(docs, key=lambda d: _hash(source, d["id"]))
+
+
+def split_texts(split: str) -> list[str]:
+    """The document texts of a named split, in their fixed order."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)} or pass a .txt/.jsonl path")
+    if split == "train":
+        return [d["text"] for s in SOURCES for d in load_documents(s) if not is_heldout(s, d["id"])]
+    if split == "calib":
+        return [d["text"] for d in load_documents("wiki") if not is_heldout("wiki", d["id"])]
+    return [d["text"] for d in load_documents(split) if is_heldout(split, d["id"])]
+
+
+def read_user_texts(path: str | Path) -> list[str]:
+    """A user's own text: a .txt file (one document) or .jsonl with a "text" field per line."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"text file {path} does not exist")
+    if path.suffix == ".jsonl":
+        texts = []
+        with open(path, encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if line.strip():
+                    record = json.loads(line)
+                    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+                        raise ValueError(f"{path}:{n}: each JSONL line must be an object with a string 'text' field")
+                    texts.append(record["text"])
+        return texts
+    if path.suffix in (".txt", ".md", ""):
+        return [path.read_text(encoding="utf-8")]
+    raise ValueError(f"unsupported text file {path.name!r}: use .txt (one document) or .jsonl ('text' per line)")
+
+
+def texts_for(data: str | Path) -> list[str]:
+    """A shipped split name or a path to the user's own .txt/.jsonl."""
+    if isinstance(data, str) and data in SPLITS:
+        return split_texts(data)
+    return read_user_texts(data)
+
+
+def token_stream(texts: list[str], tokenizer, max_tokens: int | None = None) -> torch.Tensor:
+    """Tokenize and join documents with EOS into one 1-D LongTensor (stops early at max_tokens)."""
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no eos_token_id; it is needed to join documents")
+    ids: list[int] = []
+    for text in texts:
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+        ids.append(eos)
+        if max_tokens is not None and len(ids) >= max_tokens:
+            break
+    return torch.tensor(ids[:max_tokens] if max_tokens else ids, dtype=torch.long)
+
+
+def segments(data: str | Path, tokenizer, num_segments: int, length: int) -> torch.Tensor:
+    """[num_segments, length] consecutive non-overlapping token segments of a split or file."""
+    if num_segments < 1 or length < 2:
+        raise ValueError(f"need num_segments >= 1 and length >= 2, got {num_segments} x {length}")
+    stream = token_stream(texts_for(data), tokenizer, max_tokens=num_segments * length)
+    if stream.numel() < num_segments * length:
+        have = stream.numel() // length
+        raise ValueError(
+            f"{data}: only {stream.numel():,} tokens, enough for {have} segments of {length} "
+            f"(asked for {num_segments}); use fewer or shorter segments"
+        )
+    return stream.view(num_segments, length)
+
+
+def calibration_segments(tokenizer, num_segments: int = 32, length: int = 2048) -> torch.Tensor:
+    """The default calibration set: the first num_segments x length tokens of the wiki train stream."""
+    return segments("calib", tokenizer, num_segments, length)
