@@ -1,9 +1,10 @@
-"""The one interface every state format implements, and the quantized-state container they share.
+"""The one interface every state format implements, the quantized-state container they share, and the
+reference quantization primitives every integer format (and every GPU kernel) is built from.
 
-A codec turns a batch of recurrent states ``[N, H, K, V]`` (key-row-major, FP32) into a typed
-encoded object and back, and reports exactly how many bits that object occupies. Serving code,
-the quantized recurrence loop, the cache and the evaluation only ever talk to this interface,
-so every baseline and every STEPQuant variant is interchangeable.
+A codec turns a batch of recurrent states ``[N, H, K, V]`` (key-row-major) into a typed encoded object
+and back to FP32, and reports exactly how many bits that object occupies. Serving code, the quantized
+recurrence loop, the cache and the evaluation only ever talk to this interface, so every baseline and
+every STEPQuant variant is interchangeable.
 
 All integer formats share one container, :class:`QState`, so that packing, the GPU pool and the
 kernels need to understand a single representation (docs/format.md gives the exact meaning):
@@ -12,7 +13,16 @@ kernels need to understand a single representation (docs/format.md gives the exa
 
 for integer rows, where ``zero(b) = 2**(b-1)`` on the mid-tread grid and ``2**(b-1) - 0.5`` on
 the mid-rise grid. Rows with ``bits == 16`` are FP16 pivots: their values are ``pivots`` and
-their codes/scales are ignored.
+their codes/scales are ignored (codecs write code 0 and row scale 1.0 there).
+
+The primitives below are the bit-exact reference a kernel must reproduce:
+
+- :func:`fp16_scale`: a scale is clamped to [2^-14, 65504] in FP32, then rounded to nearest FP16;
+  codes are always computed against that rounded value.
+- :func:`round_to_codes`: ``t`` is the value already divided by its scale(s) (true FP32 division,
+  never a multiplication by a reciprocal). MIDTREAD: ``u = clamp(rint(t + zero(b)), 1, 2^b - 1)``
+  with rint = round half to even (torch.round, CUDA rintf, Triton libdevice.rint). MIDRISE:
+  ``u = clamp(floor(t + 2^(b-1)), 0, 2^b - 1)`` (the nearest mid-rise level).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import torch
 PIVOT_BITS = 16
 MIN_BITS, MAX_BITS = 2, 8
 FP16_SCALE_MIN, FP16_SCALE_MAX = 2.0**-14, 65504.0
+FP16_MAX = 65504.0
 
 
 class Grid(enum.Enum):
@@ -46,9 +57,27 @@ class Grid(enum.Enum):
             z = torch.pow(2.0, bits.to(torch.float32) - 1)
         return z - 0.5 if self is Grid.MIDRISE else z
 
-    def qmax(self, bits: int) -> float:
-        """Largest level magnitude on the grid."""
-        return 2 ** (bits - 1) - 1 if self is Grid.MIDTREAD else 2 ** (bits - 1) - 0.5
+    def qmax(self, bits: torch.Tensor | int) -> torch.Tensor | float:
+        """Largest level magnitude on the grid (float for an int, FP32 tensor for a tensor of bits)."""
+        half = 2.0 ** (bits - 1) if isinstance(bits, int) else torch.pow(2.0, bits.to(torch.float32) - 1)
+        return half - 1 if self is Grid.MIDTREAD else half - 0.5
+
+    def code_range(self, bits: torch.Tensor | int) -> tuple[torch.Tensor | float, torch.Tensor | float]:
+        """(lowest, highest) code the grid uses at b bits: MIDTREAD [1, 2^b-1], MIDRISE [0, 2^b-1]."""
+        top = 2.0**bits - 1 if isinstance(bits, int) else torch.pow(2.0, bits.to(torch.float32)) - 1
+        low = 1.0 if self is Grid.MIDTREAD else 0.0
+        return (low if isinstance(bits, int) else torch.full_like(top, low)), top
+
+
+def parse_grid(grid: Grid | str, name: str = "grid") -> Grid:
+    """Accept a Grid or its name ("midtread"/"midrise"), case-insensitive."""
+    if isinstance(grid, Grid):
+        return grid
+    if isinstance(grid, str):
+        for g in Grid:
+            if grid.lower() == g.value:
+                return g
+    raise ValueError(f"{name} must be one of {[g.value for g in Grid]} (or a Grid), got {grid!r}")
 
 
 @dataclass
@@ -86,6 +115,63 @@ class QState:
             out = torch.where(is_pivot, self.pivots.to(torch.float32), out)
         return out
 
+    def validate(self) -> QState:
+        """Check dtypes, shapes and code ranges against docs/format.md; return self or raise ValueError."""
+        if self.codes.dim() != 4 or self.codes.dtype != torch.uint8:
+            got = f"{self.codes.dtype} {tuple(self.codes.shape)}"
+            raise ValueError(f"codes must be uint8 [N, H, K, V], got {got}")
+        n, h, k, v = self.codes.shape
+        expected = {
+            "bits": (self.bits, torch.int8, (h, k)),
+            "row_scale": (self.row_scale, torch.float16, (n, h, k)),
+            "col_scale": (self.col_scale, torch.float16, (n, h, v)),
+            "pivots": (self.pivots, torch.float16, (n, h, k, v)),
+        }
+        for name, (tensor, dtype, shape) in expected.items():
+            if tensor is None and name in ("col_scale", "pivots"):
+                continue
+            if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"{name} must be {dtype} {list(shape)}, got {tensor.dtype} {list(tensor.shape)}"
+                )
+        if not isinstance(self.grid, Grid):
+            raise ValueError(f"grid must be a Grid, got {self.grid!r}")
+        is_pivot = self.bits == PIVOT_BITS
+        is_int = (self.bits >= MIN_BITS) & (self.bits <= MAX_BITS)
+        if not bool((is_pivot | is_int).all()):
+            got = self.bits.unique().tolist()
+            raise ValueError(f"bits must be in {MIN_BITS}..{MAX_BITS} or {PIVOT_BITS}, got {got}")
+        if bool(is_pivot.any()) and self.pivots is None:
+            raise ValueError("bits marks FP16 pivot rows but pivots is None")
+        low, high = self.grid.code_range(self.bits.clamp(max=MAX_BITS).to(self.codes.device))
+        codes = self.codes.to(torch.float32)
+        outside = (codes < low[None, :, :, None]) | (codes > high[None, :, :, None])
+        outside = outside & is_int[None, :, :, None]
+        if bool(outside.any()):
+            count = int(outside.sum())
+            raise ValueError(f"{count} codes lie outside the {self.grid.value} range of their row")
+        return self
+
+
+def fp16_scale(scale: torch.Tensor) -> torch.Tensor:
+    """A scale as stored: clamp to [2^-14, 65504] (FP32), round to nearest FP16; returned as FP32."""
+    return scale.to(torch.float32).clamp(FP16_SCALE_MIN, FP16_SCALE_MAX).to(torch.float16).to(torch.float32)
+
+
+def round_to_codes(scaled: torch.Tensor, bits: torch.Tensor | int, grid: Grid) -> torch.Tensor:
+    """Nearest-level codes (uint8) of values already divided by their scale; bits broadcasts against it."""
+    low, high = grid.code_range(bits)
+    if grid is Grid.MIDTREAD:
+        codes = torch.round(scaled + grid.zero(bits))
+    else:
+        codes = torch.floor(scaled + (grid.zero(bits) + 0.5))  # zero + 0.5 = 2^(b-1), exact
+    return torch.clamp(codes, low, high).to(torch.uint8)
+
+
+def code_levels(codes: torch.Tensor, bits: torch.Tensor | int, grid: Grid) -> torch.Tensor:
+    """Signed FP32 levels z = u - zero(b) of uint8 codes."""
+    return codes.to(torch.float32) - grid.zero(bits)
+
 
 class Codec(ABC):
     """A recurrent-state format. Subclasses are small frozen dataclasses validated on construction."""
@@ -94,22 +180,30 @@ class Codec(ABC):
 
     @abstractmethod
     def encode(self, states: torch.Tensor) -> object:
-        """Encode FP32 states [N, H, K, V] into this format's object."""
+        """Encode states [N, H, K, V] (any float dtype; arithmetic is FP32) into this format's object."""
 
     @abstractmethod
     def decode(self, encoded: object) -> torch.Tensor:
         """Reconstruct FP32 states [N, H, K, V]."""
 
     @abstractmethod
-    def storage_bits(self, num_heads: int, key_dim: int, value_dim: int) -> int:
-        """Exact bits one request's state of one layer occupies (codes + scales + pivots)."""
+    def storage_bits(self, num_heads: int, key_dim: int, value_dim: int, *, analytical: bool = False) -> int:
+        """Exact bits one request's state of one layer occupies (codes + FP16 scales + FP16 pivots).
+
+        The compact count (codes b*V per row, no word padding). analytical=False is the serving count
+        (a GDN pivot head carries no scale slots); analytical=True reserves scale slots for every head
+        (the paper's count). The two differ only for formats with FP16 pivot heads.
+        """
 
     def roundtrip(self, states: torch.Tensor) -> torch.Tensor:
         """decode(encode(states)): the dequantized approximation used by the quantized recurrence."""
         return self.decode(self.encode(states))
 
-    def bits_per_value(self, num_heads: int, key_dim: int, value_dim: int) -> float:
-        return self.storage_bits(num_heads, key_dim, value_dim) / (num_heads * key_dim * value_dim)
+    def bits_per_value(
+        self, num_heads: int, key_dim: int, value_dim: int, *, analytical: bool = False
+    ) -> float:
+        total = self.storage_bits(num_heads, key_dim, value_dim, analytical=analytical)
+        return total / (num_heads * key_dim * value_dim)
 
 
 def check_states(states: torch.Tensor, name: str = "states") -> None:
@@ -119,7 +213,9 @@ def check_states(states: torch.Tensor, name: str = "states") -> None:
     if states.dim() != 4:
         raise ValueError(f"{name} must have shape [N, H, K, V] (4 dims), got shape {tuple(states.shape)}")
     if not states.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor (float32/bfloat16/float16), got {states.dtype}")
+        raise TypeError(
+            f"{name} must be a floating-point tensor (float32/bfloat16/float16/float64), got {states.dtype}"
+        )
     if not torch.isfinite(states).all():
         bad = (~torch.isfinite(states)).sum().item()
         raise ValueError(f"{name} contains {bad} NaN/Inf values; a recurrent state must be finite")
@@ -129,5 +225,45 @@ def check_bits(bits: int, name: str = "bits") -> int:
     if isinstance(bits, bool) or not isinstance(bits, int):
         raise TypeError(f"{name} must be an int in {MIN_BITS}..{MAX_BITS}, got {bits!r}")
     if not MIN_BITS <= bits <= MAX_BITS:
-        raise ValueError(f"{name}={bits} is out of range: integer state formats support {MIN_BITS}..{MAX_BITS} bits")
+        raise ValueError(
+            f"{name}={bits} is out of range: integer state formats support {MIN_BITS}..{MAX_BITS} bits"
+        )
     return bits
+
+
+def check_dims(num_heads: int, key_dim: int, value_dim: int) -> None:
+    """Validate the (H, K, V) a storage count is asked for."""
+    for name, value in (("num_heads", num_heads), ("key_dim", key_dim), ("value_dim", value_dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def check_bits_plan(bits: torch.Tensor, name: str = "bits") -> torch.Tensor:
+    """Validate a per-row bit plan [H, K] (2..8, or 16 for FP16 pivot rows); return it as int8 (CPU)."""
+    if not isinstance(bits, torch.Tensor):
+        raise TypeError(f"{name} must be an integer torch.Tensor [H, K], got {type(bits).__name__}")
+    if bits.dim() != 2:
+        raise ValueError(f"{name} must have shape [H, K] (2 dims), got shape {tuple(bits.shape)}")
+    if bits.is_floating_point() or bits.is_complex() or bits.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {bits.dtype}")
+    bits = bits.detach().cpu().to(torch.int64)
+    ok = ((bits >= MIN_BITS) & (bits <= MAX_BITS)) | (bits == PIVOT_BITS)
+    if not bool(ok.all()):
+        bad = sorted(set(bits[~ok].tolist()))
+        allowed = f"{MIN_BITS}..{MAX_BITS} or {PIVOT_BITS} (FP16 pivot)"
+        raise ValueError(f"{name} values must be in {allowed}, got {bad}")
+    return bits.to(torch.int8)
+
+
+def check_state_heads(states: torch.Tensor, num_heads: int, key_dim: int, what: str) -> None:
+    """states [N, H, K, V] must have the H and K a per-row tensor ([H, K]) was built for."""
+    if tuple(states.shape[1:3]) != (num_heads, key_dim):
+        raise ValueError(
+            f"states has [H, K] = {list(states.shape[1:3])} but {what} is [H, K] = {[num_heads, key_dim]}"
+        )
+
+
+def as_fp32(states: torch.Tensor) -> torch.Tensor:
+    """Validated states as FP32 (the arithmetic precision of every codec)."""
+    check_states(states)
+    return states.to(torch.float32)

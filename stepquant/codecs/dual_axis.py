@@ -1,0 +1,280 @@
+"""Key-row-aware dual-axis fitting: STEPQuant's spatial quantizer (DESIGN.md section 3).
+
+Each head's state X [K, V] is stored as X ~ diag(r) Z diag(c): one FP16 scale per key row (r), one per
+value column (c), and b-bit codes Z on a symmetric grid whose normalisation is fixed by b (it costs
+no metadata). Row-impact factors w [H, K] (w_i > 0; w = 1 is the impact-free variant) make rows that
+the readout weighs more get a finer step, and the column scales are refitted for the w^2-weighted
+error. The algorithm is written so that a GPU kernel can run it per (request, head) on one register
+tile, and ``stepquant/kernels`` re-implements exactly this; each step maps to a constexpr flag:
+
+1. m_i  = row statistic of X row i, ``row_stat``: "absmax" (max_j |X_ij|) or "rms" (sqrt(mean_j X_ij^2)).
+2. r_i  = fp16(clamp(sqrt(m_i) * w_i^(-1/2), 2^-14, 65504))    (sqrt correctly rounded; w^(-1/2)
+          is the per-row FP32 factor :func:`row_factor` = 1 / sqrt(w), computed once per calibration)
+3. Y    = X / r  (row-normalised);  c_j = fp16(clamp(max_i |Y_ij| * gain_b(i), 2^-14, 65504))
+          with gain_b = clip_b / qmax_b (one FP32 constant per bit width, :meth:`DualAxisConfig.gain`),
+          qmax_b = Grid.qmax(b) and clip_b in (0, 1] the per-bit clipping ratio.
+4. codes u_ij = round_to_codes(Y_ij / c_j, b_i, grid)  (base.py: MIDTREAD rint, MIDRISE floor).
+5. ``refit_iters`` times: with codes fixed (levels z = u - zero(b)), the weighted least-squares column
+          scale  c_j = sum_i w_i^2 r_i z_ij X_ij / sum_i w_i^2 r_i^2 z_ij^2  (columns whose denominator
+          is 0 keep their previous c_j), then fp16(clamp(.)); except after the last iteration the codes
+          are recomputed against the new c (step 4). So the stored (codes, c) pair is always
+          consistent: c is the fitted optimum for exactly those codes (or the init when refit_iters = 0).
+
+Every step is non-increasing in the weighted error sum_ij w_i^2 (X_ij - r_i z_ij c_j)^2: the error is a
+separate quadratic per column, nearest-FP16 rounding of its minimiser cannot land farther from it
+than the previous FP16 c_j, and nearest-level codes minimise each element's error for fixed scales.
+
+Mixed bits within a head (KDA units are key rows): the grid, qmax_b and clip_b are per row, the column
+init is the max over rows of |Y_ij| * gain_b(i), and the refit formula is unchanged (z_ij is each row's
+own level). FP16 pivot rows (bits 16) take no part in the fit: their values go to ``pivots``; their
+code is 0 and their row scale 1.0 (unused). A head with no integer row gets column scales 1.0 (unused).
+Row sums in "rms" and the refit are FP32 reductions, so a kernel may differ from this reference by
+FP32 summation order; with row_stat="absmax" and refit_iters=0 the result is order-independent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import (
+    FP16_MAX,
+    MAX_BITS,
+    MIN_BITS,
+    PIVOT_BITS,
+    Codec,
+    Grid,
+    QState,
+    as_fp32,
+    check_bits,
+    check_bits_plan,
+    check_dims,
+    check_state_heads,
+    code_levels,
+    fp16_scale,
+    parse_grid,
+    round_to_codes,
+)
+
+ROW_STATS = ("absmax", "rms")
+BIT_WIDTHS = tuple(range(MIN_BITS, MAX_BITS + 1))  # the bit widths a clip table covers, 2..8
+
+# Defaults chosen by scripts/codec_study.py on synthetic gated-delta-rule states; the table, the
+# command and the evidence are in docs/codec_study.md.
+DEFAULT_GRID = Grid.MIDRISE
+DEFAULT_ROW_STAT = "rms"
+DEFAULT_CLIP = (0.6, 0.85, 0.95, 1.0, 1.0, 1.0, 1.0)  # clip_b for b = 2..8
+DEFAULT_REFIT_ITERS = 2
+
+
+def _normalise_clip(clip) -> tuple[float, ...]:
+    """A clip table for b = 2..8 from a float (all bits), a {bits: clip} dict (others default) or 7 floats."""
+    if isinstance(clip, bool):
+        raise TypeError(f"clip must be a float, a {{bits: float}} dict or 7 floats (b = 2..8), got {clip!r}")
+    if isinstance(clip, (int, float)):
+        table = (float(clip),) * len(BIT_WIDTHS)
+    elif isinstance(clip, dict):
+        unknown = [b for b in clip if b not in BIT_WIDTHS]
+        if unknown:
+            raise ValueError(f"clip keys must be bit widths in {MIN_BITS}..{MAX_BITS}, got {unknown}")
+        table = tuple(float(clip.get(b, DEFAULT_CLIP[b - MIN_BITS])) for b in BIT_WIDTHS)
+    elif isinstance(clip, (tuple, list)) and len(clip) == len(BIT_WIDTHS):
+        table = tuple(float(c) for c in clip)
+    else:
+        raise TypeError(f"clip must be a float, a {{bits: float}} dict or 7 floats (b = 2..8), got {clip!r}")
+    for b, c in zip(BIT_WIDTHS, table, strict=True):
+        if not (math.isfinite(c) and 0.0 < c <= 1.0):
+            raise ValueError(f"clip for {b} bits must be in (0, 1], got {c}")
+    return table
+
+
+@dataclass(frozen=True)
+class DualAxisConfig:
+    """The fixed parameters of the fitting algorithm (each one a constexpr flag of the kernel).
+
+    grid:        Grid.MIDTREAD or Grid.MIDRISE (or its name)
+    row_stat:    "absmax" or "rms": the row magnitude m_i
+    clip:        clip_b in (0, 1] for b = 2..8: a float for all bits, a {bits: clip} dict, or 7 floats
+    refit_iters: number of weighted least-squares column refits, >= 0
+    """
+
+    grid: Grid = DEFAULT_GRID
+    row_stat: str = DEFAULT_ROW_STAT
+    clip: tuple[float, ...] = DEFAULT_CLIP
+    refit_iters: int = DEFAULT_REFIT_ITERS
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "grid", parse_grid(self.grid))
+        if self.row_stat not in ROW_STATS:
+            raise ValueError(f"row_stat must be one of {list(ROW_STATS)}, got {self.row_stat!r}")
+        object.__setattr__(self, "clip", _normalise_clip(self.clip))
+        iters = self.refit_iters
+        if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
+            raise ValueError(f"refit_iters must be an int >= 0, got {self.refit_iters!r}")
+
+    def clip_for(self, bits: int) -> float:
+        return self.clip[check_bits(bits) - MIN_BITS]
+
+    def gain(self, bits: int) -> float:
+        """clip_b / qmax_b in double precision; the kernel uses it as one FP32 constant."""
+        return self.clip_for(bits) / self.grid.qmax(bits)
+
+
+def check_row_weights(w: torch.Tensor | None, num_heads: int, key_dim: int, name: str = "w") -> torch.Tensor:
+    """Row-impact factors as FP32 [H, K]: positive and finite; None means all ones (impact-free)."""
+    if w is None:
+        return torch.ones(num_heads, key_dim, dtype=torch.float32)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"{name} must be a float torch.Tensor [H, K] or None, got {type(w).__name__}")
+    if not w.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {w.dtype}")
+    if tuple(w.shape) != (num_heads, key_dim):
+        raise ValueError(f"{name} must have shape [H, K] = {[num_heads, key_dim]}, got {list(w.shape)}")
+    w = w.detach().to(torch.float32)
+    if not bool(torch.isfinite(w).all()) or not bool((w > 0).all()):
+        raise ValueError(f"{name} (row-impact factors) must be finite and > 0, got min {w.min().item():g}")
+    return w
+
+
+def row_factor(w: torch.Tensor) -> torch.Tensor:
+    """w^(-1/2) as the FP32 per-row factor of step 2 (computed as 1 / sqrt(w))."""
+    return 1.0 / torch.sqrt(w.to(torch.float32))
+
+
+def row_statistic(x: torch.Tensor, row_stat: str) -> torch.Tensor:
+    """m_i of every key row: [N, H, K, V] -> [N, H, K]."""
+    if row_stat == "absmax":
+        return x.abs().amax(dim=-1)
+    return torch.sqrt((x * x).mean(dim=-1))
+
+
+def fit_dual_axis(
+    states: torch.Tensor,
+    bits: torch.Tensor,
+    w: torch.Tensor | None = None,
+    config: DualAxisConfig = DualAxisConfig(),
+) -> QState:
+    """Key-row-aware dual-axis fit (module docstring) of states [N, H, K, V] under a bit plan [H, K].
+
+    bits: int tensor [H, K] of 2..8, or 16 for FP16 pivot rows; w: row-impact factors [H, K] or None.
+    Returns one QState on config.grid with row and column scales (and pivots if any row is 16).
+    """
+    *_, last = dual_axis_iterates(states, bits, w, config)
+    return last
+
+
+def dual_axis_iterates(
+    states: torch.Tensor,
+    bits: torch.Tensor,
+    w: torch.Tensor | None = None,
+    config: DualAxisConfig = DualAxisConfig(),
+) -> Iterator[QState]:
+    """The fits with 0, 1, ..., config.refit_iters refits, in order, computed in one pass.
+
+    The k-th QState yielded is exactly fit_dual_axis with refit_iters = k (same codes and scales);
+    studies use it to compare iteration counts without refitting from scratch.
+    """
+    x = as_fp32(states)  # [N, H, K, V]
+    num_heads, key_dim = x.shape[1:3]
+    plan = check_bits_plan(bits)
+    check_state_heads(x, *plan.shape, "bits")
+    w = check_row_weights(w, num_heads, key_dim).to(x.device)  # [H, K]
+    if not isinstance(config, DualAxisConfig):
+        raise TypeError(f"config must be a DualAxisConfig, got {type(config).__name__}")
+    grid = config.grid
+    plan = plan.to(x.device)
+    is_pivot = plan == PIVOT_BITS  # [H, K]
+    is_int = ~is_pivot
+    # pivot rows get a placeholder width so per-row tables can be indexed; they are masked out below
+    row_bits = torch.where(is_pivot, torch.full_like(plan, MAX_BITS), plan).to(torch.int64)
+    gain_table = torch.tensor([config.gain(b) for b in BIT_WIDTHS], dtype=torch.float32, device=x.device)
+    row_gain = gain_table[row_bits - MIN_BITS]  # [H, K]
+    b_bits = row_bits[None, :, :, None]  # [1, H, K, 1]
+    b_int = is_int[None, :, :, None]  # [1, H, K, 1]
+    has_int = is_int.any(dim=1)[None, :, None]  # [1, H, 1]: heads with at least one integer row
+    pivots = None
+    if bool(is_pivot.any()):
+        pivots = torch.where(b_int, torch.zeros_like(x), x.clamp(-FP16_MAX, FP16_MAX)).to(torch.float16)
+
+    def emit(codes: torch.Tensor, c: torch.Tensor) -> QState:
+        codes = torch.where(b_int, codes, torch.zeros_like(codes))
+        c = torch.where(has_int, c, torch.ones_like(c))
+        return QState(codes, plan.to(torch.int8), r.to(torch.float16), c.to(torch.float16), pivots, grid)
+
+    # steps 1-2: row scales
+    m = row_statistic(x, config.row_stat)  # [N, H, K]
+    r = fp16_scale(torch.sqrt(m) * row_factor(w))  # [N, H, K]
+    r = torch.where(is_int, r, torch.ones_like(r))
+    # step 3: column init on the row-normalised state
+    y = x / r[..., None]  # [N, H, K, V]
+    c_init = torch.where(b_int, y.abs() * row_gain[None, :, :, None], torch.zeros_like(y)).amax(dim=2)
+    c = fp16_scale(c_init)  # [N, H, V]
+    # step 4: codes
+    codes = round_to_codes(y / c[:, :, None, :], b_bits, grid)  # [N, H, K, V]
+    yield emit(codes, c)
+    # step 5: weighted least-squares refits of c with the codes fixed
+    w2r = (w * w)[None] * r  # [N, H, K]
+    w2r2 = w2r * r
+    for iteration in range(config.refit_iters):
+        if iteration > 0:  # codes against the previous refit (never after the last one)
+            codes = round_to_codes(y / c[:, :, None, :], b_bits, grid)
+        z = torch.where(b_int, code_levels(codes, b_bits, grid), torch.zeros_like(x))  # [N, H, K, V]
+        numerator = torch.einsum("nhk,nhkv->nhv", w2r, z * x)
+        denominator = torch.einsum("nhk,nhkv->nhv", w2r2, z * z)
+        c = fp16_scale(torch.where(denominator > 0, numerator / denominator, c))
+        yield emit(codes, c)
+
+
+def weighted_error(states: torch.Tensor, approx: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_ij w_i^2 (X_ij - X_hat_ij)^2 per (n, h): [N, H] (FP64), the objective the fit minimises."""
+    diff = (states.to(torch.float64) - approx.to(torch.float64)) ** 2  # [N, H, K, V]
+    if w is None:
+        return diff.sum(dim=(-1, -2))
+    return torch.einsum("hk,nhkv->nh", w.to(torch.float64) ** 2, diff)
+
+
+@dataclass(frozen=True, eq=False)
+class DualAxisCodec(Codec):
+    """STEPQuant's spatial quantizer at one uniform bit width ("spatial only"; see module docstring).
+
+    bits:   2..8
+    w:      row-impact factors [H, K] (> 0) or None for w = 1 (impact-free)
+    config: the fitting algorithm's parameters (defaults from docs/codec_study.md)
+    """
+
+    bits: int = 4
+    w: torch.Tensor | None = None
+    config: DualAxisConfig = field(default_factory=DualAxisConfig)
+    name: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        check_bits(self.bits)
+        if self.w is not None:
+            if not isinstance(self.w, torch.Tensor) or self.w.dim() != 2:
+                got = tuple(self.w.shape) if isinstance(self.w, torch.Tensor) else type(self.w).__name__
+                raise ValueError(f"w must be a float tensor [H, K] or None, got {got}")
+            check_row_weights(self.w, *self.w.shape)
+        if not isinstance(self.config, DualAxisConfig):
+            raise TypeError(f"config must be a DualAxisConfig, got {type(self.config).__name__}")
+        object.__setattr__(self, "name", f"dual{self.bits}")
+
+    def encode(self, states: torch.Tensor) -> QState:
+        """states [N, H, K, V] -> QState with row and column scales, uniform bits."""
+        x = as_fp32(states)
+        plan = torch.full(tuple(x.shape[1:3]), self.bits, dtype=torch.int8)
+        if self.w is not None:
+            check_state_heads(x, *self.w.shape, "w")
+        return fit_dual_axis(x, plan, self.w, self.config)
+
+    def decode(self, encoded: QState) -> torch.Tensor:
+        if not isinstance(encoded, QState):
+            raise TypeError(f"{self.name} codec decodes a QState, got {type(encoded).__name__}")
+        return encoded.dequantize()
+
+    def storage_bits(self, num_heads: int, key_dim: int, value_dim: int, *, analytical: bool = False) -> int:
+        """Codes b*K*V plus FP16 row (K) and column (V) scales, per head."""
+        check_dims(num_heads, key_dim, value_dim)
+        return num_heads * (self.bits * key_dim * value_dim + 16 * (key_dim + value_dim))
