@@ -104,6 +104,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=None, help="exact step count (overrides --time-budget)")
     parser.add_argument("--time-budget", type=float, default=240.0, help="seconds of training, sets the step count")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint (stage 2)")
     parser.add_argument("--eval-chunks", type=int, default=16, help="held-out 2048-token chunks per stream")
     args = parser.parse_args()
 
@@ -116,8 +117,13 @@ def main() -> None:
     stream = token_stream(split_texts("train"), tokenizer)
     eos = tokenizer.eos_token_id
     config = (gdn_config if args.arch == "gdn" else kda_config)(len(tokenizer), eos)
-    model = AutoModelForCausalLM.from_config(config)
-    spread_gates(model, args.arch, gen)
+    if args.init_from is not None:
+        model = AutoModelForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+        previous = json.loads((args.init_from / "train_log.json").read_text())
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+        spread_gates(model, args.arch, gen)
+        previous = None
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{args.arch}: {n_params / 1e6:.2f} M parameters, {stream.numel():,} training tokens, device {device}")
@@ -175,6 +181,9 @@ def main() -> None:
     model.to(torch.bfloat16).save_pretrained(args.out, safe_serialization=True)
     tokenizer.save_pretrained(args.out)
     record = {
+        "previous_stage": previous,
+        "init_from": str(args.init_from) if args.init_from else None,
+        "fla": "fla" in sys.modules,
         "arch": args.arch, "seed": args.seed, "steps": step, "batch": args.batch, "seq_len": args.seq_len,
         "lr": args.lr, "warmup": args.warmup, "tokens_seen": step * args.batch * args.seq_len,
         "train_tokens": stream.numel(), "parameters": n_params, "train_seconds": round(train_seconds, 1),
@@ -182,7 +191,8 @@ def main() -> None:
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "heldout_loss_gpu_bf16": eval_loss, "loss_curve": log,
         "rerun": f"python scripts/train_model.py --arch {args.arch} --out {args.out} --max-steps {step} "
-        f"--seq-len {args.seq_len} --batch {args.batch} --lr {args.lr} --seed {args.seed}",
+        f"--seq-len {args.seq_len} --batch {args.batch} --lr {args.lr} --warmup {args.warmup} --seed {args.seed}"
+        + (f" --init-from {args.init_from}" if args.init_from else ""),
     }
     (args.out / "train_log.json").write_text(json.dumps(record, indent=1))
     print(json.dumps({k: v for k, v in record.items() if k != "loss_curve"}))
