@@ -50,7 +50,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from stepquant.codecs import DSQCodec, DualAxisConfig, Grid, UniformCodec  # noqa: E402
+from stepquant.codecs import DSQCodec, DualAxisConfig, Grid, MixedCodec, UniformCodec  # noqa: E402
 from stepquant.codecs import dual_axis as dual_axis_module  # noqa: E402
 from stepquant.codecs.dual_axis import DualAxisCodec, dual_axis_iterates  # noqa: E402
 
@@ -286,6 +286,48 @@ def drift_probe(inputs, w, bits_list, chosen, prefill: int, steps: int):
     return out
 
 
+def lifetime_plan(inputs, nominal_bits: int) -> torch.Tensor:
+    """A toy temporal plan [H, K] for the mixed-codec probe: GDN heads (one gate per head) at the nominal
+    bits; in KDA heads the longest-lived quarter of the key rows (mean log-decay closest to 0) gets +2
+    bits, the shortest-lived quarter -2, the rest nominal (clamped to 2..8)."""
+    mean_log_decay = inputs["g"].mean(dim=(0, 1))  # [H, K]
+    heads, key_dim = mean_log_decay.shape
+    plan = torch.full((heads, key_dim), nominal_bits)
+    is_gdn = (mean_log_decay == mean_log_decay[:, :1]).all(dim=1)  # [H]
+    rank = mean_log_decay.argsort(dim=1).argsort(dim=1)  # 0 = shortest-lived row of the head
+    plan = torch.where(rank >= key_dim - key_dim // 4, nominal_bits + 2, plan)
+    plan = torch.where(rank < key_dim // 4, nominal_bits - 2, plan)
+    plan = torch.where(is_gdn[:, None], nominal_bits, plan)
+    return plan.clamp(2, 8)
+
+
+def mixed_drift_probe(inputs, w, bits_list, chosen, prefill: int, steps: int):
+    """The drift probe for plan-driven mixed codecs: the w^2 refit vs the step-normalised refit."""
+    _, state, _, _ = run_delta_rule(inputs, stop=prefill)
+    y_ref, _, _, _ = run_delta_rule(inputs, start=prefill, stop=prefill + steps, state=state)
+    out = {}
+    for bits in bits_list:
+        plan = lifetime_plan(inputs, bits)
+        is_mixed = plan.amax(1) != plan.amin(1)  # [H]
+        config = chosen_config(chosen, bits)
+        normalised = DualAxisConfig(**{**config.__dict__, "step_normalised_refit": True})
+        codecs = {
+            "mixed absmax (temporal only)": MixedCodec(plan, spatial="absmax"),
+            "mixed dual w, w^2 refit": MixedCodec(plan, w, config=config),
+            "mixed dual w, step-normalised refit": MixedCodec(plan, w, config=normalised),
+        }
+        for name, codec in codecs.items():
+            y, _, _, _ = run_delta_rule(
+                inputs, codec, start=prefill, stop=prefill + steps, state=codec.roundtrip(state)
+            )
+            snr = -10 * torch.log10(((y - y_ref) ** 2).sum((1, 3)) / (y_ref**2).sum((1, 3)))  # [B, H]
+            out[(bits, name)] = {
+                "readout_snr_db": snr.mean().item(),
+                "readout_snr_mixed_heads_db": snr[:, is_mixed].mean().item(),
+            }
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------
 # report
 
@@ -296,7 +338,7 @@ def markdown_table(header, rows):
     return "\n".join(lines)
 
 
-def build_tables(results, base, drift, chosen, bits_list, clips, refits):
+def build_tables(results, base, drift, mixed_drift, chosen, bits_list, clips, refits):
     tables = {}
     header = ["grid / row_stat / refits"] + [f"{b} bit" for b in bits_list]
     rows = []
@@ -338,6 +380,20 @@ def build_tables(results, base, drift, chosen, bits_list, clips, refits):
             for n in names
         ]
         tables["drift"] = markdown_table(header, rows)
+    if mixed_drift:
+        drift_bits = sorted({b for b, _ in mixed_drift})
+        names = sorted({n for _, n in mixed_drift}, key=lambda n: [k[1] for k in mixed_drift].index(n))
+        header = ["codec"] + [f"{b}-bit plan: all heads / mixed-bit heads" for b in drift_bits]
+        mixed_keys = ("readout_snr_db", "readout_snr_mixed_heads_db")
+        rows = [
+            [n]
+            + [
+                "{:.2f} / {:.2f}".format(*(mixed_drift[(b, n)][key] for key in mixed_keys))
+                for b in drift_bits
+            ]
+            for n in names
+        ]
+        tables["mixed_drift"] = markdown_table(header, rows)
     return tables
 
 
@@ -409,6 +465,20 @@ averaged; over all decode tokens / over the last quarter.
 
 {tables["drift"]}
 """
+    if "mixed_drift" in tables:
+        text += f"""
+## Drift probe: plan-driven mixed bits (KDA rows), w^2 refit vs step-normalised refit
+
+The same loop with `MixedCodec` and a toy lifetime plan per nominal budget b: GDN heads at b bits; in
+each KDA head the longest-lived quarter of the key rows at b+2, the shortest-lived quarter at b-2, the
+rest at b (`lifetime_plan`). Readout SNR in dB over all heads / over the heads with mixed bit widths.
+The w^2 refit (the paper's objective) lowers a mixed head's total weighted error by moving the shared
+column scales towards its low-bit rows; the step-normalised refit weights each row's error in units of
+its own step. Default chosen here: step_normalised_refit = **{chosen["step_normalised_refit"]}** (the
+better mean readout SNR of the mixed-bit heads over the budgets).
+
+{tables["mixed_drift"]}
+"""
     with open(path, "w") as f:
         f.write(text)
 
@@ -428,14 +498,14 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--refit-tolerance-db", type=float, default=0.05, help="dB a cheaper refit count may lose"
     )
-    parser.add_argument("--seqs", type=int, default=3, help="synthetic: sequences")
-    parser.add_argument("--heads", type=int, default=16, help="synthetic: heads (half GDN, half KDA gates)")
+    parser.add_argument("--seqs", type=int, default=4, help="synthetic: sequences")
+    parser.add_argument("--heads", type=int, default=24, help="synthetic: heads (half GDN, half KDA gates)")
     parser.add_argument("--steps", type=int, default=1024, help="synthetic: tokens per sequence")
     parser.add_argument("--snapshots", default="128,512,1024", help="synthetic: token positions to snapshot")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drift-bits", default="4,6", help="bit widths of the drift probe")
-    parser.add_argument("--drift-prefill", type=int, default=64, help="float tokens before quantized decode")
-    parser.add_argument("--drift-steps", type=int, default=192, help="quantized decode tokens (0 = no probe)")
+    parser.add_argument("--drift-prefill", type=int, default=128, help="float tokens before quantized decode")
+    parser.add_argument("--drift-steps", type=int, default=256, help="quantized decode tokens (0 = no probe)")
     parser.add_argument("--drift-seqs", type=int, default=2, help="sequences in the drift probe")
     parser.add_argument("--out", default="docs/codec_study.md", help="markdown report ('' = do not write)")
     args = parser.parse_args(argv)
@@ -488,19 +558,28 @@ def main(argv=None) -> int:
     results = sweep(states, w, args.bits, args.clips, args.refits)
     chosen = choose(results, args.bits, args.clips, args.refits, args.refit_tolerance_db)
     base = baselines(states, w, args.bits, chosen)
-    drift = {}
+    drift, mixed_drift = {}, {}
     if inputs is not None and args.drift_steps > 0:
         drift_inputs = {k: v[: args.drift_seqs] for k, v in inputs.items()}
         drift_seqs = drift_inputs["k"].shape[0]
         drift = drift_probe(
             drift_inputs, w, parse_list(args.drift_bits, int), chosen, args.drift_prefill, args.drift_steps
         )
+        mixed_drift = mixed_drift_probe(
+            drift_inputs, w, parse_list(args.drift_bits, int), chosen, args.drift_prefill, args.drift_steps
+        )
+        gains = [
+            mixed_drift[(b, "mixed dual w, step-normalised refit")]["readout_snr_mixed_heads_db"]
+            - mixed_drift[(b, "mixed dual w, w^2 refit")]["readout_snr_mixed_heads_db"]
+            for b in parse_list(args.drift_bits, int)
+        ]
+        chosen["step_normalised_refit"] = sum(gains) / len(gains) > 0
         meta["drift"] = (
             f"{drift_seqs} synthetic sequences x {args.heads} heads: {args.drift_prefill} float prefill "
             f"tokens, then {args.drift_steps} decode tokens, the state stored through the codec after each."
         )
-    tables = build_tables(results, base, drift, chosen, args.bits, args.clips, args.refits)
-    for key in ("candidates", "clips", "baselines", "baselines_mse", "drift"):
+    tables = build_tables(results, base, drift, mixed_drift, chosen, args.bits, args.clips, args.refits)
+    for key in ("candidates", "clips", "baselines", "baselines_mse", "drift", "mixed_drift"):
         if key in tables:
             print(f"\n{key}\n{tables[key]}")
 
@@ -512,18 +591,23 @@ def main(argv=None) -> int:
     }
     chosen["dsq_col_exponent"] = choose_dsq(base, args.bits)
     defaults["dsq_col_exponent"] = DSQCodec(2).col_exponent
+    if "step_normalised_refit" in chosen:
+        defaults["step_normalised_refit"] = DualAxisConfig().step_normalised_refit
     defaults_match = all(defaults[k] == chosen[k] for k in defaults)
     elapsed = time.time() - start_time
     if args.out:
         write_markdown(args.out, args, meta, chosen, tables, elapsed, defaults_match)
         print(f"\nwrote {args.out}")
     summary = {
-        "chosen": {k: chosen[k] for k in ("grid", "row_stat", "refit_iters", "clip", "dsq_col_exponent")},
+        "chosen": {k: chosen[k] for k in defaults},
         "defaults_match": defaults_match,
         "geometry": meta["contrasts"],
         "row_impact": meta["spread"],
         "baselines": {f"{n}@{b}": round(m["wsqnr_db"], 3) for (b, n), m in base.items()},
         "drift_readout_snr_db": {f"{n}@{b}": round(m["readout_snr_db"], 3) for (b, n), m in drift.items()},
+        "mixed_drift_readout_snr_mixed_heads_db": {
+            f"{n}@{b}": round(m["readout_snr_mixed_heads_db"], 3) for (b, n), m in mixed_drift.items()
+        },
         "seconds": round(elapsed, 1),
     }
     print(json.dumps(summary))

@@ -5,29 +5,48 @@ value column (c), and b-bit codes Z on a symmetric grid whose normalisation is f
 no metadata). Row-impact factors w [H, K] (w_i > 0; w = 1 is the impact-free variant) make rows that
 the readout weighs more get a finer step, and the column scales are refitted for the w^2-weighted
 error. The algorithm is written so that a GPU kernel can run it per (request, head) on one register
-tile, and ``stepquant/kernels`` re-implements exactly this; each step maps to a constexpr flag:
+tile, and ``stepquant/kernels`` re-implements exactly this: grid, row_stat and refit_iters are
+constexpr flags, and three per-row FP32 tensors come with the plan (:func:`row_factor`,
+:func:`row_gains`, :func:`refit_weights`):
 
 1. m_i  = row statistic of X row i, ``row_stat``: "absmax" (max_j |X_ij|) or "rms" (sqrt(mean_j X_ij^2)).
-2. r_i  = fp16(clamp(sqrt(m_i) * w_i^(-1/2), 2^-14, 65504))    (sqrt correctly rounded; w^(-1/2)
-          is the per-row FP32 factor :func:`row_factor` = 1 / sqrt(w), computed once per calibration)
+2. r_i  = fp16(clamp(sqrt(m_i) * f_i, 2^-14, 65504))   (sqrt correctly rounded), f_i = row_factor =
+          w_i^(-1/2) * gain_b(i) / gain_ref(h), with gain_ref(h) the largest gain_b among the head's
+          integer rows, so f_i = w_i^(-1/2) exactly (ratio 1.0) in every head whose integer rows share
+          one bit width (all GDN heads, all uniform-bit codecs).
 3. Y    = X / r  (row-normalised);  c_j = fp16(clamp(max_i |Y_ij| * gain_b(i), 2^-14, 65504))
           with gain_b = clip_b / qmax_b (one FP32 constant per bit width, :meth:`DualAxisConfig.gain`),
           qmax_b = Grid.qmax(b) and clip_b in (0, 1] the per-bit clipping ratio.
 4. codes u_ij = round_to_codes(Y_ij / c_j, b_i, grid)  (base.py: MIDTREAD rint, MIDRISE floor).
 5. ``refit_iters`` times: with codes fixed (levels z = u - zero(b)), the weighted least-squares column
-          scale  c_j = sum_i w_i^2 r_i z_ij X_ij / sum_i w_i^2 r_i^2 z_ij^2  (columns whose denominator
-          is 0 keep their previous c_j), then fp16(clamp(.)); except after the last iteration the codes
-          are recomputed against the new c (step 4). So the stored (codes, c) pair is always
-          consistent: c is the fitted optimum for exactly those codes (or the init when refit_iters = 0).
+          scale  c_j = sum_i v_i r_i z_ij X_ij / sum_i v_i r_i^2 z_ij^2  with row weights v_i =
+          refit_weights = w_i^2 in every head of one bit width (columns whose denominator is 0 keep
+          their previous c_j; mixed heads: see below), then
+          fp16(clamp(.)); except after the last iteration the codes are recomputed against the new c
+          (step 4). So the stored (codes, c) pair is always consistent: c is the fitted optimum for
+          exactly those codes (or the init when refit_iters = 0).
 
-Every step is non-increasing in the weighted error sum_ij w_i^2 (X_ij - r_i z_ij c_j)^2: the error is a
+Every step is non-increasing in the weighted error sum_ij v_i (X_ij - r_i z_ij c_j)^2: the error is a
 separate quadratic per column, nearest-FP16 rounding of its minimiser cannot land farther from it
 than the previous FP16 c_j, and nearest-level codes minimise each element's error for fixed scales.
 
-Mixed bits within a head (KDA units are key rows): the grid, qmax_b and clip_b are per row, the column
-init is the max over rows of |Y_ij| * gain_b(i), and the refit formula is unchanged (z_ij is each row's
-own level). FP16 pivot rows (bits 16) take no part in the fit: their values go to ``pivots``; their
-code is 0 and their row scale 1.0 (unused). A head with no integer row gets column scales 1.0 (unused).
+Mixed bits within a head (KDA units are key rows): grid, qmax_b and clip_b are per row, the column init
+is the max over rows of |Y_ij| * gain_b(i), and the refit formula is unchanged (z_ij is each row's own
+level). The gain ratio in f_i is the codebook normalisation fixed by b: it makes the stored row scale of
+a b-bit row gain_b / gain_ref times smaller, so X_ij / (r_i c_j) spans row i's own grid (|.| <=
+qmax_b / clip_b) and an 8-bit row gets an 8-bit step. Without it the shared column scale is set by the
+lowest-precision row and every row of the head gets that row's coarse step (measured: an 8-bit row in
+a head with 2-bit rows came out barely better than a 4-bit row).
+The w^2 refit then trades precision between the rows of a mixed head: it lowers the head's total
+weighted error, mostly that of its low-bit rows, by moving c_j away from what the high-bit rows need,
+so those can lose much of their extra precision (tests/test_codecs.py pins both effects). The default
+``step_normalised_refit=True`` instead weights each row's error in units of its own step (v_i = w_i^2
+(gain_ref / gain_b(i))^2), which keeps the high-bit rows' precision, gave the better readout in the
+mixed-plan drift probe of docs/codec_study.md, and changes nothing in heads of one bit width;
+``step_normalised_refit=False`` is the plain w^2 objective (the paper's wording).
+
+FP16 pivot rows (bits 16) take no part in the fit: their values go to ``pivots``; their code is 0 and
+their row scale 1.0 (unused). A head with no integer row gets column scales 1.0 (unused).
 Row sums in "rms" and the refit are FP32 reductions, so a kernel may differ from this reference by
 FP32 summation order; with row_stat="absmax" and refit_iters=0 the result is order-independent.
 """
@@ -68,6 +87,7 @@ DEFAULT_GRID = Grid.MIDRISE
 DEFAULT_ROW_STAT = "rms"
 DEFAULT_CLIP = (0.6, 0.85, 0.95, 1.0, 1.0, 1.0, 1.0)  # clip_b for b = 2..8
 DEFAULT_REFIT_ITERS = 2
+DEFAULT_STEP_NORMALISED_REFIT = True  # changes only heads with mixed bit widths
 
 
 def _normalise_clip(clip) -> tuple[float, ...]:
@@ -99,12 +119,16 @@ class DualAxisConfig:
     row_stat:    "absmax" or "rms": the row magnitude m_i
     clip:        clip_b in (0, 1] for b = 2..8: a float for all bits, a {bits: clip} dict, or 7 floats
     refit_iters: number of weighted least-squares column refits, >= 0
+    step_normalised_refit: weight row i's refit error by w_i^2 (gain_ref / gain_b(i))^2 instead of w_i^2,
+                 i.e. in units of the row's own step (:func:`refit_weights`); only changes heads with
+                 mixed bit widths (see the module docstring)
     """
 
     grid: Grid = DEFAULT_GRID
     row_stat: str = DEFAULT_ROW_STAT
     clip: tuple[float, ...] = DEFAULT_CLIP
     refit_iters: int = DEFAULT_REFIT_ITERS
+    step_normalised_refit: bool = DEFAULT_STEP_NORMALISED_REFIT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", parse_grid(self.grid))
@@ -114,6 +138,8 @@ class DualAxisConfig:
         iters = self.refit_iters
         if isinstance(iters, bool) or not isinstance(iters, int) or iters < 0:
             raise ValueError(f"refit_iters must be an int >= 0, got {self.refit_iters!r}")
+        if not isinstance(self.step_normalised_refit, bool):
+            raise TypeError(f"step_normalised_refit must be a bool, got {self.step_normalised_refit!r}")
 
     def clip_for(self, bits: int) -> float:
         return self.clip[check_bits(bits) - MIN_BITS]
@@ -139,9 +165,42 @@ def check_row_weights(w: torch.Tensor | None, num_heads: int, key_dim: int, name
     return w
 
 
-def row_factor(w: torch.Tensor) -> torch.Tensor:
-    """w^(-1/2) as the FP32 per-row factor of step 2 (computed as 1 / sqrt(w))."""
-    return 1.0 / torch.sqrt(w.to(torch.float32))
+def row_gains(bits: torch.Tensor, config: DualAxisConfig) -> torch.Tensor:
+    """gain_b(i) = clip_b / qmax_b of every row of a plan [H, K] as FP32 [H, K]; 0 for FP16 pivot rows."""
+    plan = check_bits_plan(bits).to(torch.int64)
+    table = torch.tensor([0.0] + [config.gain(b) for b in BIT_WIDTHS], dtype=torch.float32)
+    return table[torch.where(plan == PIVOT_BITS, 0, plan - MIN_BITS + 1)]
+
+
+def _step_ratio(bits: torch.Tensor, config: DualAxisConfig) -> torch.Tensor:
+    """gain_b(i) / gain_ref(h) per row [H, K]: exactly 1.0 where a head's integer rows share one width."""
+    gains = row_gains(bits, config)  # [H, K]
+    reference = gains.amax(dim=1, keepdim=True)  # [H, 1]
+    return torch.where(gains > 0, gains / reference.clamp_min(1e-30), torch.ones_like(gains))
+
+
+def row_factor(w: torch.Tensor | None, bits: torch.Tensor, config: DualAxisConfig) -> torch.Tensor:
+    """f_i of step 2 as FP32 [H, K]: (1 / sqrt(w_i)) * (gain_b(i) / gain_ref(h)); 1.0 for pivot rows.
+
+    gain_ref(h) is the largest gain_b among the head's integer rows, so the ratio is exactly 1.0 when
+    they share one bit width. A kernel loads this per-row tensor with the plan (w=None means w = 1).
+    """
+    plan = check_bits_plan(bits)
+    w = check_row_weights(w, *plan.shape)
+    factor = (1.0 / torch.sqrt(w)) * _step_ratio(plan, config)
+    return torch.where(plan == PIVOT_BITS, torch.ones_like(factor), factor)
+
+
+def refit_weights(w: torch.Tensor | None, bits: torch.Tensor, config: DualAxisConfig) -> torch.Tensor:
+    """Row weights of the step-5 refit as FP32 [H, K]: w_i^2, or w_i^2 (gain_ref / gain_b(i))^2 with
+    config.step_normalised_refit; 0 for pivot rows (they take no part in the fit)."""
+    plan = check_bits_plan(bits)
+    w = check_row_weights(w, *plan.shape)
+    weights = w * w
+    if config.step_normalised_refit:
+        inverse_step = 1.0 / _step_ratio(plan, config)
+        weights = weights * (inverse_step * inverse_step)
+    return torch.where(plan == PIVOT_BITS, torch.zeros_like(weights), weights)
 
 
 def row_statistic(x: torch.Tensor, row_stat: str) -> torch.Tensor:
@@ -181,17 +240,19 @@ def dual_axis_iterates(
     num_heads, key_dim = x.shape[1:3]
     plan = check_bits_plan(bits)
     check_state_heads(x, *plan.shape, "bits")
-    w = check_row_weights(w, num_heads, key_dim).to(x.device)  # [H, K]
+    w = check_row_weights(w, num_heads, key_dim)  # [H, K]
     if not isinstance(config, DualAxisConfig):
         raise TypeError(f"config must be a DualAxisConfig, got {type(config).__name__}")
     grid = config.grid
+    # the three per-row FP32 tensors a kernel loads with the plan
+    factor = row_factor(w, plan, config).to(x.device)  # [H, K]  f_i of step 2
+    row_gain = row_gains(plan, config).to(x.device)  # [H, K]  gain_b(i) of step 3
+    w2 = refit_weights(w, plan, config).to(x.device)  # [H, K]  row weights of step 5
     plan = plan.to(x.device)
     is_pivot = plan == PIVOT_BITS  # [H, K]
     is_int = ~is_pivot
     # pivot rows get a placeholder width so per-row tables can be indexed; they are masked out below
     row_bits = torch.where(is_pivot, torch.full_like(plan, MAX_BITS), plan).to(torch.int64)
-    gain_table = torch.tensor([config.gain(b) for b in BIT_WIDTHS], dtype=torch.float32, device=x.device)
-    row_gain = gain_table[row_bits - MIN_BITS]  # [H, K]
     b_bits = row_bits[None, :, :, None]  # [1, H, K, 1]
     b_int = is_int[None, :, :, None]  # [1, H, K, 1]
     has_int = is_int.any(dim=1)[None, :, None]  # [1, H, 1]: heads with at least one integer row
@@ -206,7 +267,7 @@ def dual_axis_iterates(
 
     # steps 1-2: row scales
     m = row_statistic(x, config.row_stat)  # [N, H, K]
-    r = fp16_scale(torch.sqrt(m) * row_factor(w))  # [N, H, K]
+    r = fp16_scale(torch.sqrt(m) * factor)  # [N, H, K]
     r = torch.where(is_int, r, torch.ones_like(r))
     # step 3: column init on the row-normalised state
     y = x / r[..., None]  # [N, H, K, V]
@@ -216,7 +277,7 @@ def dual_axis_iterates(
     codes = round_to_codes(y / c[:, :, None, :], b_bits, grid)  # [N, H, K, V]
     yield emit(codes, c)
     # step 5: weighted least-squares refits of c with the codes fixed
-    w2r = (w * w)[None] * r  # [N, H, K]
+    w2r = w2[None] * r  # [N, H, K]
     w2r2 = w2r * r
     for iteration in range(config.refit_iters):
         if iteration > 0:  # codes against the previous refit (never after the last one)
