@@ -1,0 +1,69 @@
+"""Torch reference of the packed-state decode step and the boundary pack (same signatures as fused.py).
+
+Built from the modules that define the format and the method, so the kernels are judged against them
+and nothing here re-derives their logic: ``packing.unpack`` -> ``QState.dequantize`` -> one
+``recurrence.step`` (readout from X, before requantizing) -> the layer's codec ``encode`` ->
+``packing.pack`` -> written back into the pool slots. Runs on any device; it is also the CPU path
+of :func:`stepquant.kernels.decode.decode_step_packed`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stepquant.packing import pack, unpack
+from stepquant.pool import PackedLayer
+from stepquant.recurrence import prepare_qk, step
+
+
+def naive_packed_decode(
+    layer: PackedLayer,
+    slots: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    out: torch.Tensor | None = None,
+    debug: dict | None = None,
+) -> torch.Tensor:
+    """One decode token for N requests whose states live in ``layer``'s slots; returns y [N, H, V].
+
+    slots int [N] (-1: skip the row, its output and every slot untouched); q, k [N, H_k, K]; v [N, H, V];
+    g [N, H] (GDN) or [N, H, K] (KDA) log decays; beta [N, H]. The slots are updated in place.
+    debug (a dict) receives "x": the float state X [n, H, K, V] of the active rows before requantizing.
+    """
+    num_rows = v.shape[0]
+    if out is None:
+        out = torch.zeros(num_rows, layer.num_heads, layer.value_dim, dtype=v.dtype, device=v.device)
+    active = torch.nonzero(slots.to(torch.int64) >= 0).flatten().to(v.device)
+    if active.numel() == 0:
+        return out
+    slot_ids = slots.to(torch.int64)[active.to(slots.device)]
+    states = unpack(layer.gather(slot_ids)).dequantize()  # [n, H, K, V]
+    mode = "kda" if g.dim() == 3 else "gdn"
+    b_q, b_k = prepare_qk(q[active], k[active], scale=scale, use_qk_l2norm=use_qk_l2norm, mode=mode)
+    x, y = step(states.to(v.device), b_q, b_k, v[active], g[active], beta[active])
+    layer.scatter(slot_ids, pack(layer.plan.codec().encode(x), layer.layout))
+    out[active] = y.to(out.dtype)
+    if debug is not None:
+        debug["x"] = x
+    return out
+
+
+def naive_pack_states(layer: PackedLayer, slots: torch.Tensor, states: torch.Tensor) -> None:
+    """Quantize FP32 states [N, H, K, V] with the layer's codec and write them into ``slots`` (-1: skip)."""
+    active = torch.nonzero(slots.to(torch.int64) >= 0).flatten()
+    if active.numel() == 0:
+        return
+    slot_ids = slots.to(torch.int64)[active]
+    encoded = layer.plan.codec().encode(states[active.to(states.device)])
+    layer.scatter(slot_ids, pack(encoded, layer.layout))
+
+
+def naive_unpack_states(layer: PackedLayer, slots: torch.Tensor) -> torch.Tensor:
+    """FP32 states [N, H, K, V] of ``slots`` (every index must be a valid slot)."""
+    return unpack(layer.gather(slots.to(torch.int64))).dequantize()

@@ -1,0 +1,311 @@
+"""Tests for the fused packed-state decode / pack kernels against their torch reference (kernels/decode).
+
+On the CPU the Triton kernels run in the interpreter (TRITON_INTERPRET=1 is set below, before anything
+imports triton; tests run in one process, so this module must not be the second to import it with a
+different setting). Bit-exactness policy (docs/kernels.md):
+
+- Given the same float state X, the kernel's row scales, codes, pivots and packed words equal the
+  torch codec's bit for bit; with row_stat="absmax" and refit_iters=0 every output is exact.
+- FP32 reductions (rms row statistic, column refit sums) run in a different order in Triton, so column
+  scales after a refit may differ by one FP16 step: those are compared with a relative tolerance,
+  and the codes are then checked exactly by requantizing the kernel's X in torch with the kernel's
+  scales (the debug outputs give X and the column scales the codes were computed against).
+- Decode: the kernel's X and readout y match the reference's float step by relative RMS; the stored
+  state's error against X is at most 2x (+1e-6) the reference's own quantization error.
+
+GPU tests (@pytest.mark.gpu, real shapes K = V = 128) run on CUDA only: pytest -m gpu tests/test_kernels.py.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+
+import pytest
+import torch
+
+from stepquant.codecs.base import PIVOT_BITS, QState, round_to_codes
+from stepquant.codecs.dual_axis import DualAxisConfig
+from stepquant.kernels.decode import (
+    decode_step_packed,
+    fused_pack_states,
+    fused_packed_decode,
+    naive_pack_states,
+    naive_packed_decode,
+)
+from stepquant.packing import pack, unpack
+from stepquant.pool import LayerPlan, PackedLayer
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
+needs_triton_device = pytest.mark.skipif(
+    not INTERPRETED and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1"
+)
+gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA GPU")
+
+SCALE_RTOL = 2.0**-9  # two FP16 steps: refit sums in another order may move a scale by one step
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def mixed_bits(num_heads: int, key_dim: int, choices: tuple[int, ...], seed: int,
+               pivot_rows: int = 0, pivot_head: bool = False) -> torch.Tensor:
+    """A plan [H, K]: head 0 uniform (GDN-like), other heads mixed rows (KDA-like), optional pivots."""
+    gen = torch.Generator().manual_seed(seed)
+    bits = torch.tensor(choices)[torch.randint(len(choices), (num_heads, key_dim), generator=gen)]
+    bits[0] = choices[len(choices) // 2]
+    if pivot_rows:
+        rows = torch.randperm(key_dim, generator=gen)[:pivot_rows]
+        bits[-1, rows] = PIVOT_BITS
+    if pivot_head:
+        bits[-1] = PIVOT_BITS
+    return bits.to(torch.int8)
+
+
+def make_layer(bits, *, seed=0, spatial="dual_axis", num_slots=4, value_dim=32, device=DEVICE, **config):
+    gen = torch.Generator().manual_seed(seed + 100)
+    w = torch.rand(bits.shape, generator=gen) + 0.25
+    plan = LayerPlan(bits, w, spatial, DualAxisConfig(**config))
+    return PackedLayer(plan, num_slots, value_dim, device)
+
+
+def token_inputs(num_rows, heads, q_heads, key_dim, value_dim, kda, seed, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device)
+    q, k = rand(num_rows, q_heads, key_dim), rand(num_rows, q_heads, key_dim)
+    v = rand(num_rows, heads, value_dim)
+    g = -torch.rand(num_rows, heads, *((key_dim,) if kda else ()), generator=gen).to(device)
+    beta = torch.rand(num_rows, heads, generator=gen).to(device)
+    return q, k, v, g, beta
+
+
+def clone_layer(layer: PackedLayer) -> PackedLayer:
+    twin = PackedLayer(layer.plan, layer.num_slots, layer.value_dim, layer.device)
+    for dst, src in zip(twin.tensors(), layer.tensors(), strict=True):
+        dst.copy_(src)
+    return twin
+
+
+def requantize_with(layer: PackedLayer, x: torch.Tensor, row_scale: torch.Tensor,
+                    col_code: torch.Tensor | None) -> QState:
+    """The codes torch gives X [n, H, K, V] with the kernel's row scales and the column scales the
+    kernel's codes were computed against (base.round_to_codes: true FP32 divisions)."""
+    bits = layer.plan.bits.to(x.device).to(torch.int64)
+    is_pivot = bits == PIVOT_BITS
+    row_bits = torch.where(is_pivot, 8, bits)[None, :, :, None]
+    r = row_scale.to(torch.float32)
+    y = x / r[..., None]
+    if col_code is not None:
+        y = y / col_code[:, :, None, :]
+    codes = round_to_codes(y, row_bits, layer.grid)
+    codes = torch.where(is_pivot[None, :, :, None], 0, codes).to(torch.uint8)
+    pivots = None
+    if bool(is_pivot.any()):
+        pivots = torch.where(is_pivot[None, :, :, None], x.clamp(-65504, 65504), 0).to(torch.float16)
+    return QState(codes, layer.plan.bits, row_scale, None, pivots, layer.grid)
+
+
+def check_against_codec(kernel: PackedLayer, ref: PackedLayer, slots: list[int], x: torch.Tensor,
+                        col_code: torch.Tensor, exact_scales: bool) -> None:
+    """The policy of the module docstring for the slots both layers wrote from the same X."""
+    index = torch.tensor(slots)
+    got, want = unpack(kernel.gather(index)), unpack(ref.gather(index))
+    if exact_scales:
+        assert torch.equal(kernel.codes[index], ref.codes[index])
+        assert torch.equal(kernel.row_scale[index], ref.row_scale[index])
+        if ref.col_scale is not None:
+            assert torch.equal(kernel.col_scale[index], ref.col_scale[index])
+        return
+    # row scales come from an order-independent statistic (absmax) or an FP32 sum (rms)
+    torch.testing.assert_close(got.row_scale.float(), want.row_scale.float(), rtol=SCALE_RTOL, atol=0)
+    if want.col_scale is not None:
+        torch.testing.assert_close(got.col_scale.float(), want.col_scale.float(), rtol=SCALE_RTOL, atol=0)
+    # codes exactly, given the kernel's X and scales
+    again = requantize_with(kernel, x, got.row_scale, None if want.col_scale is None else col_code)
+    is_int = (kernel.plan.bits != PIVOT_BITS).to(x.device)[None, :, :, None]
+    assert torch.equal(torch.where(is_int, got.codes, 0), again.codes)
+    if again.pivots is not None:
+        assert torch.equal(got.pivots.view(torch.int16), again.pivots.view(torch.int16))
+    # and the words are exactly the packing of those codes and scales
+    col = None if want.col_scale is None else got.col_scale
+    repacked = pack(QState(again.codes, kernel.plan.bits, got.row_scale, col, again.pivots, kernel.grid),
+                    kernel.layout)
+    assert torch.equal(kernel.codes[index], repacked.codes)
+
+
+CONFIGS = {
+    "absmax-refit0-midtread": dict(refit_iters=0, grid="midtread", row_stat="absmax"),
+    "absmax-refit1-midrise": dict(refit_iters=1, grid="midrise", row_stat="absmax"),
+    "rms-refit2-midrise": dict(refit_iters=2, grid="midrise", row_stat="rms", clip=0.9),
+    "default": dict(),
+}
+
+SHAPES = {  # id: (N, H, H_k, K, V, bit choices, pivot rows, pivot head)
+    "N2-H2-K32-V32-6b": (2, 2, 2, 32, 32, (6,), 0, False),
+    "N3-H2-K24-V20-mixed": (3, 2, 1, 24, 20, (4, 5, 6, 7, 8), 3, False),
+    "N2-H2-K16-V40-mixed-pivothead": (2, 2, 2, 16, 40, (2, 3, 4), 0, True),
+    "N2-H2-K32-V32-4b-pivots": (2, 2, 1, 32, 32, (4,), 2, False),
+}
+
+
+@needs_triton_device
+@pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_pack_kernel_matches_codec(shape, config):
+    num_rows, heads, _, key_dim, value_dim, choices, pivot_rows, pivot_head = SHAPES[shape]
+    bits = mixed_bits(heads, key_dim, choices, seed=1, pivot_rows=pivot_rows, pivot_head=pivot_head)
+    kernel = make_layer(bits, value_dim=value_dim, num_slots=num_rows + 2, **CONFIGS[config])
+    ref = clone_layer(kernel)
+    kernel.codes.fill_(0)
+    slots = torch.arange(num_rows, dtype=torch.int32).flip(0) + 1  # not the identity
+    x = torch.randn(num_rows, heads, key_dim, value_dim, generator=torch.Generator().manual_seed(3))
+    x[0, 0, 1] = 0.0  # an all-zero row: scales clamp to 2^-14
+    x = x.to(DEVICE)
+    debug = {}
+    fused_pack_states(kernel, slots, x, debug=debug)
+    naive_pack_states(ref, slots, x)
+    cfg = kernel.plan.config
+    exact = cfg.refit_iters == 0 and cfg.row_stat == "absmax"
+    assert torch.equal(debug["x"], x)
+    check_against_codec(kernel, ref, slots.tolist(), x, debug["c"], exact_scales=exact)
+    assert not kernel.codes[0].any() and not kernel.codes[-1].any()  # unused slots untouched
+
+
+@needs_triton_device
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("config", ["absmax-refit0-midtread", "default", "rms-refit2-midrise"])
+@pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
+def test_decode_kernel_matches_reference(shape, config, kda):
+    num_rows, heads, q_heads, key_dim, value_dim, choices, pivot_rows, pivot_head = SHAPES[shape]
+    bits = mixed_bits(heads, key_dim, choices, seed=2, pivot_rows=pivot_rows, pivot_head=pivot_head)
+    kernel = make_layer(bits, value_dim=value_dim, num_slots=num_rows + 3, **CONFIGS[config])
+    all_slots = torch.arange(kernel.num_slots, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(4)
+    start = torch.randn(kernel.num_slots, heads, key_dim, value_dim, generator=gen)
+    naive_pack_states(kernel, all_slots, start.to(DEVICE))
+    ref = clone_layer(kernel)
+    before = kernel.codes.clone(), kernel.row_scale.clone()
+    slots = torch.arange(num_rows, dtype=torch.int32) * 2  # gaps: slots 1, 3, .. stay untouched
+    slots[1] = -1  # a skipped batch row
+    active = [i for i in range(num_rows) if slots[i] >= 0]
+    q, k, v, g, beta = token_inputs(num_rows, heads, q_heads, key_dim, value_dim, kda, seed=5)
+    y_kernel = torch.full((num_rows, heads, value_dim), float("nan"), device=DEVICE)
+    y_ref = y_kernel.clone()
+    debug, debug_ref = {}, {}
+    fused_packed_decode(kernel, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y_kernel, debug=debug)
+    naive_packed_decode(ref, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y_ref, debug=debug_ref)
+
+    assert torch.isnan(y_kernel[1]).all(), "a skipped row's output must stay untouched"
+    x_ref = debug_ref["x"]
+    x_kernel = debug["x"][active]
+    assert rel_rms(x_kernel, x_ref) < 1e-5
+    assert rel_rms(y_kernel[active], y_ref[active]) < 1e-5
+    # pages of slots nobody decoded are untouched
+    untouched = [s for s in range(kernel.num_slots) if s not in slots.tolist()]
+    assert torch.equal(kernel.codes[untouched], before[0][untouched])
+    assert torch.equal(kernel.row_scale[untouched], before[1][untouched])
+    # exact codes given the kernel's own X and scales
+    check_against_codec(kernel, ref, slots[active].tolist(), x_kernel, debug["c"][active], exact_scales=False)
+    # quantization error within 2x of the reference's
+    index = slots[active].to(torch.int64)
+    err_kernel = rel_rms(unpack(kernel.gather(index)).dequantize(), x_ref)
+    err_ref = rel_rms(unpack(ref.gather(index)).dequantize(), x_ref)
+    assert err_kernel <= 2 * err_ref + 1e-6
+
+
+@needs_triton_device
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_rowwise_absmax_decode(kda):
+    bits = mixed_bits(2, 24, (4, 6, 8), seed=6, pivot_rows=2)
+    kernel = make_layer(bits, spatial="absmax", value_dim=20, num_slots=3)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    naive_pack_states(kernel, slots, torch.randn(2, 2, 24, 20).to(DEVICE))
+    ref = clone_layer(kernel)
+    q, k, v, g, beta = token_inputs(2, 2, 2, 24, 20, kda, seed=7)
+    debug = {}
+    y = fused_packed_decode(kernel, slots, q, k, v, g, beta, debug=debug)
+    y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta)
+    assert rel_rms(y, y_ref) < 1e-5
+    assert kernel.col_scale is None
+    check_against_codec(kernel, ref, slots.tolist(), debug["x"], None, exact_scales=False)
+
+
+@needs_triton_device
+def test_all_rows_skipped_and_dispatch():
+    bits = mixed_bits(2, 16, (6,), seed=8)
+    layer = make_layer(bits, value_dim=16, num_slots=2)
+    naive_pack_states(layer, torch.tensor([0, 1]), torch.randn(2, 2, 16, 16).to(DEVICE))
+    before = [t.clone() for t in layer.tensors()]
+    q, k, v, g, beta = token_inputs(2, 2, 2, 16, 16, False, seed=9)
+    out = torch.full((2, 2, 16), float("nan"), device=DEVICE)
+    fused_packed_decode(layer, torch.tensor([-1, -1], dtype=torch.int32), q, k, v, g, beta, out=out)
+    assert torch.isnan(out).all()
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.tensors(), strict=True))
+    # decode_step_packed picks the torch path off CUDA
+    y = decode_step_packed(layer, torch.tensor([1, 0], dtype=torch.int32), q, k, v, g, beta)
+    assert torch.isfinite(y).all()
+
+
+@needs_triton_device
+def test_decode_rejects_bad_shapes():
+    layer = make_layer(mixed_bits(2, 16, (6,), seed=10), value_dim=16)
+    q, k, v, g, beta = token_inputs(2, 2, 2, 16, 16, False, seed=11)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match="v must have shape"):
+        fused_packed_decode(layer, slots, q, k, v[:, :1], g, beta)
+    with pytest.raises(ValueError, match="g must have shape"):
+        fused_packed_decode(layer, slots, q, k, v, g[:, :, None].expand(2, 2, 3), beta)
+
+
+# ---------------------------------------------------------------- GPU: real shapes (run on the H200)
+
+def _gpu_case(heads, key_heads, kda, num_rows, bits, spatial="dual_axis"):
+    layer = make_layer(bits, spatial=spatial, value_dim=128, num_slots=num_rows + 1, device="cuda")
+    all_slots = torch.arange(layer.num_slots, dtype=torch.int32, device="cuda")
+    naive_pack_states(layer, all_slots, torch.randn(layer.num_slots, heads, 128, 128, device="cuda"))
+    ref = clone_layer(layer)
+    slots = all_slots[1:].flip(0).contiguous()
+    slots[0] = -1
+    q, k, v, g, beta = token_inputs(num_rows, heads, key_heads, 128, 128, kda, seed=12, device="cuda")
+    debug, debug_ref = {}, {}
+    y = fused_packed_decode(layer, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug)
+    y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug_ref)
+    active = slots >= 0
+    assert rel_rms(debug["x"][active], debug_ref["x"]) < 1e-5
+    assert rel_rms(y[active], y_ref[active]) < 1e-5
+    check_against_codec(layer, ref, slots[active].tolist(), debug["x"][active], debug["c"][active],
+                        exact_scales=False)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_rows", [32, 512], ids=["B32", "B512"])
+def test_gpu_gdn_qwen_shape(num_rows):
+    # 48 heads, 16 key heads (GQA), heads at {5..8} bits plus one FP16 pivot head
+    bits = torch.tensor([5, 6, 7, 8] * 12, dtype=torch.int8)[:, None].expand(48, 128).clone()
+    bits[7] = PIVOT_BITS
+    _gpu_case(48, 16, False, num_rows, bits)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("num_rows", [32, 256], ids=["B32", "B256"])
+def test_gpu_kda_kimi_shape(num_rows):
+    _gpu_case(32, 32, True, num_rows, mixed_bits(32, 128, (4, 5, 6, 7, 8), seed=13, pivot_rows=26))
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_rowwise_absmax_and_pack():
+    bits = torch.full((32, 128), 4, dtype=torch.int8)
+    _gpu_case(32, 32, True, 64, bits, spatial="absmax")
+    layer = make_layer(bits, value_dim=128, num_slots=64, device="cuda", refit_iters=0, row_stat="absmax")
+    ref = clone_layer(layer)
+    slots = torch.arange(64, dtype=torch.int32, device="cuda")
+    x = torch.randn(64, 32, 128, 128, device="cuda")
+    fused_pack_states(layer, slots, x)
+    naive_pack_states(ref, slots, x)
+    check_against_codec(layer, ref, slots.tolist(), x, None, exact_scales=True)

@@ -1,0 +1,121 @@
+"""Tests for stepquant.pool: slot lifecycle, tensor-parallel sharding and exact byte accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stepquant.accounting import Mixer, ModelShape, plan_bytes
+from stepquant.codecs.base import PIVOT_BITS
+from stepquant.codecs.dual_axis import DualAxisConfig
+from stepquant.packing import pack, unpack
+from stepquant.pool import LayerPlan, PackedLayer, PackedStatePool, plans_from
+
+
+def gdn_plan(heads=4, key_dim=16, bits=(5, 6, 7, 8), pivot_head=True, seed=0) -> LayerPlan:
+    table = torch.tensor(bits * heads)[:heads, None].expand(heads, key_dim).clone().to(torch.int8)
+    if pivot_head:
+        table[-1] = PIVOT_BITS
+    w = torch.rand(heads, key_dim, generator=torch.Generator().manual_seed(seed)) + 0.5
+    return LayerPlan(table, w)
+
+
+def kda_plan(heads=4, key_dim=16, seed=1) -> LayerPlan:
+    gen = torch.Generator().manual_seed(seed)
+    table = torch.randint(4, 9, (heads, key_dim), generator=gen).to(torch.int8)
+    table[1, 3] = PIVOT_BITS
+    return LayerPlan(table, None, "dual_axis", DualAxisConfig(refit_iters=0))
+
+
+def test_alloc_free_reuse_zeroes_slots():
+    pool = PackedStatePool([gdn_plan(), kda_plan()], num_slots=3, value_dim=32)
+    first = pool.alloc(2)
+    assert first == [0, 1] and pool.num_free == 1
+    for layer in pool.layers:
+        for t in layer.tensors():
+            t[first] = 7  # a request writes its state
+    pool.free(first[0])
+    again = pool.alloc()
+    assert again == [0]
+    for layer in pool.layers:
+        assert all(not t[0].any() for t in layer.tensors()), "a reused slot must come back zeroed"
+        assert all(bool((t[1] == 7).all()) for t in layer.tensors()), "other slots are untouched"
+    # a zeroed slot decodes to the zero state
+    zero = unpack(pool.layers[0].gather([0])).dequantize()
+    assert not zero.any()
+
+
+def test_exhaustion_and_double_free_raise():
+    pool = PackedStatePool([gdn_plan()], num_slots=2, value_dim=16)
+    slots = pool.alloc(2)
+    with pytest.raises(RuntimeError, match="exhausted"):
+        pool.alloc()
+    pool.free(slots)
+    with pytest.raises(ValueError, match="double free"):
+        pool.free(slots[0])
+    with pytest.raises(ValueError, match="not allocated"):
+        pool.free([5])
+    with pytest.raises(ValueError, match="positive int"):
+        pool.alloc(0)
+
+
+def test_bytes_held_match_accounting():
+    plans = [gdn_plan(heads=8, key_dim=32), gdn_plan(heads=8, key_dim=32, bits=(4,), pivot_head=False)]
+    pool = PackedStatePool(plans, num_slots=5, value_dim=128)
+    shape = ModelShape("toy", Mixer.GDN, linear_layers=2, heads=8, key_dim=32, value_dim=128)
+    accounted = plan_bytes([p.bits for p in plans], shape).serving_bytes
+    assert pool.bytes_per_slot == accounted
+    assert pool.bytes_held == 5 * accounted
+    allocated = sum(t.numel() * t.element_size() for layer in pool.layers for t in layer.tensors())
+    assert allocated == pool.bytes_held  # no hidden padding
+    # rowwise absmax has no column scales
+    absmax = PackedLayer(LayerPlan(plans[1].bits, None, "absmax"), 2, 128)
+    assert absmax.col_scale is None
+    assert absmax.bytes_per_slot == plan_bytes([plans[1].bits], shape.__class__(
+        "toy1", Mixer.GDN, 1, 8, 32, 128), has_col_scale=False).serving_bytes
+
+
+def test_tensor_parallel_shards_heads():
+    plan = kda_plan(heads=4)
+    shards = [PackedStatePool([plan], 2, 16, tp_rank=r, tp_size=2) for r in range(2)]
+    for rank, pool in enumerate(shards):
+        layer = pool.layers[0]
+        assert layer.num_heads == 2
+        assert torch.equal(layer.plan.bits, plan.bits[2 * rank: 2 * rank + 2])
+    total = sum(pool.bytes_per_slot for pool in shards)
+    whole = PackedStatePool([plan], 2, 16).bytes_per_slot
+    assert total == whole  # scale slots go with their heads
+    with pytest.raises(ValueError, match="split evenly"):
+        PackedStatePool([plan], 2, 16, tp_rank=0, tp_size=3)
+    with pytest.raises(ValueError, match="rank"):
+        plan.shard(2, 2)
+
+
+def test_gather_scatter_round_trip_and_tables():
+    plan = gdn_plan()
+    layer = PackedLayer(plan, 3, 24)
+    x = torch.randn(2, 4, 16, 24)
+    encoded = plan.codec().encode(x)
+    layer.scatter([2, 0], pack(encoded, layer.layout))
+    back = unpack(layer.gather([2, 0]))
+    torch.testing.assert_close(back.dequantize(), encoded.dequantize(), rtol=0, atol=0)
+    assert not layer.codes[1].any()
+    # tables the kernel reads
+    assert layer.row_bits.dtype == torch.int32 and layer.row_bits.numel() == 4 * 16
+    assert layer.planes == 16 | 4 | 2 | 1  # heads 5 = 4+1, 6 = 4+2, 7 = 4+2+1 and an FP16 pivot head
+    assert float(layer.row_gain[-1]) == 0.0 and float(layer.row_w2[-1]) == 0.0  # pivot rows
+    with pytest.raises(IndexError):
+        layer.gather([3])
+
+
+def test_plans_from_calibration_object():
+    class Plan:
+        bits = [gdn_plan().bits, kda_plan().bits]
+        w = [gdn_plan().w, None]
+
+    layers = plans_from(Plan())
+    assert len(layers) == 2 and layers[1].w is None
+    with pytest.raises(TypeError):
+        plans_from(object())
+    with pytest.raises(ValueError, match="spatial"):
+        LayerPlan(gdn_plan().bits, None, "nope")
