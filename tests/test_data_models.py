@@ -1,0 +1,79 @@
+"""The shipped text splits and the two shipped models: offline loading, a forward pass, a pinned loss."""
+
+import math
+
+import pytest
+import torch
+
+from stepquant import data
+from stepquant.models import family, load, resolve
+
+# Loss of each shipped model on the first 256 tokens of the held-out wiki stream (FP32, CPU).
+# Pinned so that any change to the checkpoints, the tokenizer or the splits is noticed.
+PINNED_LOSS = {"gdn": 4.1409, "kda": 4.4385}
+
+
+@pytest.fixture(scope="module", params=["gdn", "kda"])
+def shipped(request):
+    model, tokenizer = load(request.param)
+    return request.param, model, tokenizer
+
+
+def test_splits_are_disjoint_and_fixed():
+    wiki = data.load_documents("wiki")
+    held = [d for d in wiki if data.is_heldout("wiki", d["id"])]
+    assert 0.08 < len(held) / len(wiki) < 0.12
+    calib = set(data.split_texts("calib"))
+    assert not calib & set(data.split_texts("wiki"))
+    # the hash order is a fixed permutation, not the alphabetical file order
+    assert [d["id"] for d in wiki[:3]] != sorted(d["id"] for d in wiki)[:3]
+
+
+def test_unknown_split_and_bad_user_file(tmp_path):
+    with pytest.raises(ValueError, match="unknown split"):
+        data.split_texts("wikitext")
+    bad = tmp_path / "x.jsonl"
+    bad.write_text('{"txt": "no text field"}\n')
+    with pytest.raises(ValueError, match="'text' field"):
+        data.read_user_texts(bad)
+    with pytest.raises(FileNotFoundError):
+        data.read_user_texts(tmp_path / "missing.txt")
+
+
+def test_user_text_segments(tmp_path, shipped):
+    _, _, tokenizer = shipped
+    path = tmp_path / "mine.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    seg = data.segments(path, tokenizer, 2, 64)
+    assert seg.shape == (2, 64) and seg.dtype == torch.long
+    with pytest.raises(ValueError, match="only"):
+        data.segments(path, tokenizer, 100, 64)
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="shipped name"):
+        resolve(tmp_path)
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
+        family("llama")
+
+
+def test_forward_loss_is_pinned_and_learned(shipped):
+    name, model, tokenizer = shipped
+    assert model.config.model_type in ("qwen3_5_text", "kimi_linear")
+    x = data.segments("wiki", tokenizer, 1, 256)
+    with torch.no_grad():
+        loss = model(input_ids=x, labels=x).loss.item()
+        again = model(input_ids=x, labels=x).loss.item()
+    assert loss == again
+    assert loss == pytest.approx(PINNED_LOSS[name], abs=2e-3)
+    assert loss < math.log(len(tokenizer)) - 3  # far below the uniform 9.01 nats: it learned English
+
+
+def test_greedy_generation_is_english(shipped):
+    _, model, tokenizer = shipped
+    ids = tokenizer("The President said that", return_tensors="pt").input_ids
+    out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    text = tokenizer.decode(out[0, ids.shape[1] :])
+    words = text.split()
+    assert len(words) >= 5
+    assert sum(w.strip(".,;").isalpha() for w in words) >= 0.7 * len(words)
