@@ -120,7 +120,9 @@ class PackedLayer:
     row_scale: fp16  [S, Hs, K]    row scales of the scaled heads
     col_scale: fp16  [S, Hs, V]    column scales (None for spatial="absmax")
     Tables (device, flat row index h * K + i): ``row_bits`` int32, ``row_word_offset`` int32,
-    ``head_scale_slot`` int32 [H], and the FP32 factors of dual_axis.fit_dual_axis, bit for bit:
+    ``head_scale_slot`` int32 [H]; what the kernel reads: ``row_table`` int32 (first word << 5 | bits),
+    ``head_table`` int32 [H, 2] (scale slot, plane widths used); and the FP32 factors of
+    dual_axis.fit_dual_axis, bit for bit:
     ``row_winv`` = row_factor (w^(-1/2) times the head's gain ratio), ``row_w2`` = w^2 (refit
     weight; 0 for pivot rows), ``row_gain`` = clip_b / qmax_b (0 for pivot rows).
     """
@@ -146,13 +148,21 @@ class PackedLayer:
         self.row_bits = put(bits.to(torch.int32))
         self.row_word_offset = put(lay.row_word_offset)
         self.head_scale_slot = put(lay.head_scale_slot)
+        if lay.words_per_slot >= 2**26:
+            raise ValueError(f"a slot of {lay.words_per_slot} words is too large for the kernel's row table")
+        # what the kernel loads: one int32 per row (first word << 5 | bits), per head (scale slot, planes)
+        self.row_table = put((lay.row_word_offset.to(torch.int64) << 5 | bits.reshape(-1)).to(torch.int32))
+        head_planes = torch.zeros(lay.num_heads, dtype=torch.int64)
+        for width in (16, 8, 4, 2, 1):
+            head_planes |= ((bits & width) != 0).any(dim=1).to(torch.int64) * width
+        self.head_table = put(torch.stack([lay.head_scale_slot.to(torch.int64), head_planes], 1).to(torch.int32))
         self.row_winv = put(dual_axis.row_factor(plan.w, plan.bits, plan.config))
         self.row_w2 = put(dual_axis.refit_weights(plan.w, plan.bits, plan.config))
         self.row_gain = put(dual_axis.row_gains(plan.bits, plan.config))
         # plane widths present anywhere in the layer: the kernel compiles only those paths
         present = 0
         for width in (16, 8, 4, 2, 1):
-            if bool(((bits & width) != 0).any()):
+            if bool((head_planes & width).any()):
                 present |= width
         self.planes = present
 

@@ -234,6 +234,29 @@ def test_rowwise_absmax_decode(kda):
 
 
 @needs_triton_device
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_split_readout_then_writeback_equals_fused(kda):
+    bits = mixed_bits(2, 24, (4, 5, 6, 7, 8), seed=14, pivot_rows=2)
+    fused = make_layer(bits, value_dim=20, num_slots=3)
+    slots = torch.tensor([1, -1, 2], dtype=torch.int32)
+    naive_pack_states(fused, torch.arange(3), torch.randn(3, 2, 24, 20).to(DEVICE))
+    split = clone_layer(fused)
+    q, k, v, g, beta = token_inputs(3, 2, 1, 24, 20, kda, seed=15)
+    y_fused = fused_packed_decode(fused, slots, q, k, v, g, beta, use_qk_l2norm=True)
+    y = torch.full_like(y_fused, float("nan"))
+    before = [t.clone() for t in split.tensors()]
+    fused_packed_decode(split, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, part="readout")
+    assert all(torch.equal(a, b) for a, b in zip(before, split.tensors(), strict=True))
+    assert torch.equal(y[[0, 2]], y_fused[[0, 2]]) and torch.isnan(y[1]).all()
+    y_before = y.clone()
+    fused_packed_decode(split, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, part="writeback")
+    assert torch.equal(y[[0, 2]], y_before[[0, 2]]) and torch.isnan(y[1]).all()
+    assert all(torch.equal(a, b) for a, b in zip(fused.tensors(), split.tensors(), strict=True))
+    with pytest.raises(ValueError, match="part"):
+        fused_packed_decode(split, slots, q, k, v, g, beta, part="both")
+
+
+@needs_triton_device
 def test_all_rows_skipped_and_dispatch():
     bits = mixed_bits(2, 16, (6,), seed=8)
     layer = make_layer(bits, value_dim=16, num_slots=2)

@@ -11,11 +11,13 @@ import torch
 
 from stepquant.pool import PackedLayer
 
-from .fused import fused_pack_states, fused_packed_decode
+from .fused import PARTS, fused_pack_states, fused_packed_decode, fused_packed_decode_split
 from .naive import naive_pack_states, naive_packed_decode, naive_unpack_states
 
 __all__ = [
+    "PARTS",
     "decode_step_packed",
+    "fused_packed_decode_split",
     "fused_pack_states",
     "fused_packed_decode",
     "naive_pack_states",

@@ -28,12 +28,14 @@ def naive_packed_decode(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     out: torch.Tensor | None = None,
+    part: str = "fused",
     debug: dict | None = None,
 ) -> torch.Tensor:
     """One decode token for N requests whose states live in ``layer``'s slots; returns y [N, H, V].
 
     slots int [N] (-1: skip the row, its output and every slot untouched); q, k [N, H_k, K]; v [N, H, V];
     g [N, H] (GDN) or [N, H, K] (KDA) log decays; beta [N, H]. The slots are updated in place.
+    part: "fused" (both), "readout" (y only) or "writeback" (slots only), as the Triton kernel.
     debug (a dict) receives "x": the float state X [n, H, K, V] of the active rows before requantizing.
     """
     num_rows = v.shape[0]
@@ -47,8 +49,10 @@ def naive_packed_decode(
     mode = "kda" if g.dim() == 3 else "gdn"
     b_q, b_k = prepare_qk(q[active], k[active], scale=scale, use_qk_l2norm=use_qk_l2norm, mode=mode)
     x, y = step(states.to(v.device), b_q, b_k, v[active], g[active], beta[active])
-    layer.scatter(slot_ids, pack(layer.plan.codec().encode(x), layer.layout))
-    out[active] = y.to(out.dtype)
+    if part in ("fused", "writeback"):
+        layer.scatter(slot_ids, pack(layer.plan.codec().encode(x), layer.layout))
+    if part in ("fused", "readout"):
+        out[active] = y.to(out.dtype)
     if debug is not None:
         debug["x"] = x
     return out
