@@ -30,13 +30,14 @@ smallest refit count within --refit-tolerance-db of the best (every refit is one
 kernel); then clip_b = the best clip per bit for that configuration.
 
 Prints a table and one final JSON line; writes --out (markdown) unless --out ''.
-Example: python scripts/codec_study.py                  (synthetic, ~3-4 min on 2 CPU cores)
+Example: python scripts/codec_study.py                  (synthetic, ~2 min on 2 idle CPU cores)
          python scripts/codec_study.py --states snap.safetensors --out '' --drift-steps 0
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import itertools
 import json
@@ -310,10 +311,11 @@ def mixed_drift_probe(inputs, w, bits_list, chosen, prefill: int, steps: int):
         plan = lifetime_plan(inputs, bits)
         is_mixed = plan.amax(1) != plan.amin(1)  # [H]
         config = chosen_config(chosen, bits)
-        normalised = DualAxisConfig(**{**config.__dict__, "step_normalised_refit": True})
+        plain = dataclasses.replace(config, step_normalised_refit=False)
+        normalised = dataclasses.replace(config, step_normalised_refit=True)
         codecs = {
             "mixed absmax (temporal only)": MixedCodec(plan, spatial="absmax"),
-            "mixed dual w, w^2 refit": MixedCodec(plan, w, config=config),
+            "mixed dual w, w^2 refit": MixedCodec(plan, w, config=plain),
             "mixed dual w, step-normalised refit": MixedCodec(plan, w, config=normalised),
         }
         for name, codec in codecs.items():
@@ -397,7 +399,50 @@ def build_tables(results, base, drift, mixed_drift, chosen, bits_list, clips, re
     return tables
 
 
-def write_markdown(path, args, meta, chosen, tables, elapsed, defaults_match):
+def findings(results, base, drift, chosen, bits_list) -> list[str]:
+    """One-line measured comparisons for the report (every number computed from this run)."""
+    lines = []
+    spatial, plain = "dual w (STEPQuant spatial)", "dual w=1"
+    dsq = f"DSQ col^{chosen['dsq_col_exponent']:g}"
+    for b in bits_list:
+        gain_int = base[(b, spatial)]["wsqnr_db"] - base[(b, "int (rowwise absmax)")]["wsqnr_db"]
+        gain_dsq = base[(b, spatial)]["wsqnr_db"] - base[(b, dsq)]["wsqnr_db"]
+        text = f"{b} bits: STEPQuant spatial {gain_int:+.2f} dB weighted SQNR vs rowwise absmax, "
+        text += f"{gain_dsq:+.2f} dB vs {dsq}"
+        if (b, spatial) in drift:
+            d_int = (
+                drift[(b, spatial)]["readout_snr_db"] - drift[(b, "int (rowwise absmax)")]["readout_snr_db"]
+            )
+            d_dsq = drift[(b, spatial)]["readout_snr_db"] - drift[(b, dsq)]["readout_snr_db"]
+            d_w = drift[(b, spatial)]["readout_snr_db"] - drift[(b, plain)]["readout_snr_db"]
+            text += f"; drift readout SNR {d_int:+.2f} dB vs absmax, {d_dsq:+.2f} dB vs {dsq}, "
+            text += f"{d_w:+.2f} dB vs w=1"
+        lines.append(text + ".")
+    w_effect = [base[(b, spatial)]["wsqnr_db"] - base[(b, plain)]["wsqnr_db"] for b in bits_list]
+    lines.append(
+        f"Row-impact factors (w vs w=1) change the weighted SQNR by {min(w_effect):+.2f} to "
+        f"{max(w_effect):+.2f} dB over the bits (w = omega^(1/8) spans little, see Data)."
+    )
+    row_stat, refit = chosen["row_stat"], chosen["refit_iters"]
+
+    def best(grid, b):
+        return max(
+            v["wsqnr_db"]
+            for k, v in results.items()
+            if k[0] == b and k[1:3] == (grid, row_stat) and k[4] == refit
+        )
+
+    grid_gain = {b: best("midrise", b) - best("midtread", b) for b in bits_list}
+    lines.append(
+        "Mid-rise minus mid-tread grid (best clip each, "
+        f"{row_stat}, {refit} refits): "
+        + ", ".join(f"{b} bits {g:+.2f} dB" for b, g in grid_gain.items())
+        + "."
+    )
+    return lines
+
+
+def write_markdown(path, args, meta, chosen, tables, elapsed, defaults_match, finding_lines):
     clip_text = ", ".join(f"{b}: {c:g}" for b, c in chosen["clip"].items())
     by_pair = ", ".join(f"{p} {v:.2f} dB" for p, v in chosen["mean_wsqnr_by_pair"].items())
     by_refit = ", ".join(f"{r}: {v:.2f} dB" for r, v in chosen["mean_wsqnr_by_refit"].items())
@@ -418,6 +463,12 @@ value-column RMS {meta["contrasts"]["col_max_over_median_rms"]:.1f}x, both above
 {spread["omega_p90_over_p10_median"]:.1f} (paper: 15.95), i.e. {spread["w_p90_over_p10_median"]:.2f}
 in w = omega^(1/8).
 
+To repeat the study on states captured from a model: save a safetensors file with a float tensor
+`states` [N, H, K, V] (key-row-major; transpose the serving layout [N, H, V, K] first) and, optionally,
+the calibrated row-impact factors `w` [H, K] (> 0), then run
+`python scripts/codec_study.py --states FILE.safetensors` (the drift probes need the synthetic token
+stream and are skipped; without `w` the weighted metrics equal the unweighted ones).
+
 ## Metric
 
 Per (sequence, head) state X [K, V]: relative weighted MSE e_w = sum w_i^2 (X - X_hat)^2 / sum w_i^2 X^2
@@ -437,6 +488,10 @@ unweighted SQNR (w = 1); each averaged over all (sequence, head) states (SQNR: m
 
 Selection rule: best (grid, row_stat) by mean weighted SQNR over bits (each bit at its best clip,
 the most refits); then the fewest refits within the tolerance; then the best clip per bit.
+
+## Findings (computed from the tables below)
+
+{chr(10).join("- " + line for line in finding_lines)}
 
 ## Candidates: weighted SQNR dB (best clip_b in parentheses)
 
@@ -499,7 +554,7 @@ def main(argv=None) -> int:
         "--refit-tolerance-db", type=float, default=0.05, help="dB a cheaper refit count may lose"
     )
     parser.add_argument("--seqs", type=int, default=4, help="synthetic: sequences")
-    parser.add_argument("--heads", type=int, default=24, help="synthetic: heads (half GDN, half KDA gates)")
+    parser.add_argument("--heads", type=int, default=16, help="synthetic: heads (half GDN, half KDA gates)")
     parser.add_argument("--steps", type=int, default=1024, help="synthetic: tokens per sequence")
     parser.add_argument("--snapshots", default="128,512,1024", help="synthetic: token positions to snapshot")
     parser.add_argument("--seed", type=int, default=0)
@@ -594,9 +649,11 @@ def main(argv=None) -> int:
     if "step_normalised_refit" in chosen:
         defaults["step_normalised_refit"] = DualAxisConfig().step_normalised_refit
     defaults_match = all(defaults[k] == chosen[k] for k in defaults)
+    finding_lines = findings(results, base, drift, chosen, args.bits)
+    print("\n" + "\n".join(finding_lines))
     elapsed = time.time() - start_time
     if args.out:
-        write_markdown(args.out, args, meta, chosen, tables, elapsed, defaults_match)
+        write_markdown(args.out, args, meta, chosen, tables, elapsed, defaults_match, finding_lines)
         print(f"\nwrote {args.out}")
     summary = {
         "chosen": {k: chosen[k] for k in defaults},

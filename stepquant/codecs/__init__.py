@@ -34,7 +34,16 @@ from .base import (
 )
 from .cast import CastCodec
 from .dsq import DSQCodec
-from .dual_axis import DualAxisCodec, DualAxisConfig, fit_dual_axis, weighted_error
+from .dual_axis import (
+    DualAxisCodec,
+    DualAxisConfig,
+    dual_axis_iterates,
+    fit_dual_axis,
+    refit_weights,
+    row_factor,
+    row_gains,
+    weighted_error,
+)
 from .mixed import MixedCodec, fit_rowwise_absmax
 from .uniform import UniformCodec, rowwise_absmax_scale
 
@@ -57,16 +66,20 @@ __all__ = [
     "check_states",
     "code_levels",
     "codec_names",
+    "dual_axis_iterates",
     "fit_dual_axis",
     "fit_rowwise_absmax",
     "fp16_scale",
     "make_codec",
+    "refit_weights",
     "round_to_codes",
+    "row_factor",
+    "row_gains",
     "rowwise_absmax_scale",
     "weighted_error",
 ]
 
-_CONFIG_FIELDS = ("grid", "row_stat", "clip", "refit_iters")
+_CONFIG_FIELDS = ("grid", "row_stat", "clip", "refit_iters", "step_normalised_refit")
 _PATTERN = re.compile(r"^(int|dsq|dual)([0-9])(-sr)?$")
 
 

@@ -7,9 +7,12 @@ a plan, ``bits [H, K]`` for one layer, and produces one :class:`QState` with mix
 - ``spatial="dual_axis"`` (full STEPQuant): integer rows go through key-row-aware dual-axis fitting
   with the row-impact factors ``w [H, K]`` (dual_axis.py). A head whose rows have different bit
   widths still has one row-scale vector and one column-scale vector; the column scales are fitted
-  jointly across its rows (each row on its own b-bit grid; init = max over rows of
-  clip_b(i) |Y_ij| / qmax_b(i); the weighted least-squares refit is unchanged since z_ij is each row's
-  own level).
+  jointly across its rows: each row on its own b-bit grid, column init = max over rows of
+  clip_b(i) |Y_ij| / qmax_b(i), the weighted least-squares refit formula unchanged (z_ij is each row's
+  own level). Two per-row details make the rows of one head keep their own precision (dual_axis.py
+  explains and tests/test_codecs.py measures them): the codebook normalisation of each width enters
+  its row scale (``row_factor``), and by default the refit weighs each row's error in units of its own
+  step (``DualAxisConfig.step_normalised_refit``). Heads of one bit width are unaffected by either.
 - ``spatial="absmax"`` (the "temporal only" ablation): each integer row is rowwise absmax at its own
   bit width (uniform.py's rule with qmax_b(i)), MIDTREAD grid, no column scales; w is not used.
 
