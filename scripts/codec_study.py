@@ -571,7 +571,8 @@ def main(argv=None) -> int:
 
     meta = {
         "command": " ".join(["python scripts/codec_study.py", *(sys.argv[1:] if argv is None else argv)]),
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads",
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads, "
+        f"load average {os.getloadavg()[0]:.1f} at start",
         "date": datetime.date.today().isoformat(),
     }
     inputs = None
