@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU check and decode benchmark in one call (H200, no internet): installs the wheels carried under
+# .whl/ (fla-core), prints versions, runs the GPU kernel tests, runs the benchmark, and leaves logs and
+# results in $OUT (default benchmarks/results): env.txt, gpu_tests.log, bench.log, bench_decode.json,
+# bench_decode.md. Prints the benchmark's table and JSON line last.
+#
+#   OUT=/some/dir bash benchmarks/h200_run.sh          (BENCH_ARGS=--quick for a shorter benchmark)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results}"
+mkdir -p "$OUT"
+
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA GPU here: this script is for the H200 (use bench_decode.py --dry-run on a CPU)"
+    exit 2
+fi
+if compgen -G ".whl/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -n 3
+    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+fi
+export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export TRITON_INTERPRET=0  # tests/test_kernels.py would otherwise default to the CPU interpreter
+
+python3 - > "$OUT/env.txt" 2>&1 <<'EOF'
+import platform, torch, triton
+print("python", platform.python_version(), "| torch", torch.__version__, "| triton", triton.__version__)
+print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+      "| capability", torch.cuda.get_device_capability() if torch.cuda.is_available() else "-")
+for name in ("fla", "transformers"):
+    try:
+        module = __import__(name)
+        print(name, getattr(module, "__version__", "?"), module.__file__)
+    except Exception as err:
+        print(name, "unavailable:", repr(err))
+EOF
+cat "$OUT/env.txt"
+
+echo "== GPU kernel tests (pytest -m gpu tests/test_kernels.py)"
+timeout 150 python3 -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider -x > "$OUT/gpu_tests.log" 2>&1
+echo "pytest exit $? (log: $OUT/gpu_tests.log)"
+tail -n 5 "$OUT/gpu_tests.log"
+
+echo "== decode benchmark"
+timeout 270 python3 benchmarks/bench_decode.py --out "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.log" | tee -a "$OUT/bench.log"
+status=${PIPESTATUS[0]}
+if [ "$status" -ne 0 ]; then
+    echo "bench_decode.py exit $status; last log lines:"
+    tail -n 25 "$OUT/bench.log"
+fi
+exit "$status"
