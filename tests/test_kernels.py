@@ -34,8 +34,10 @@ from stepquant.kernels.decode import (
     naive_pack_states,
     naive_packed_decode,
 )
+from stepquant.kernels.prefill import prefill_packed
 from stepquant.packing import pack, unpack
 from stepquant.pool import LayerPlan, PackedLayer
+from stepquant.recurrence import gated_delta_rule
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
@@ -281,6 +283,28 @@ def test_decode_rejects_bad_shapes():
         fused_packed_decode(layer, slots, q, k, v[:, :1], g, beta)
     with pytest.raises(ValueError, match="g must have shape"):
         fused_packed_decode(layer, slots, q, k, v, g[:, :, None].expand(2, 2, 3), beta)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_prefill_packs_the_boundary_state(kda):
+    bits = mixed_bits(2, 16, (4, 6, 8), seed=16, pivot_rows=1)
+    layer = make_layer(bits, value_dim=16, num_slots=3, device="cpu")
+    gen = torch.Generator().manual_seed(17)
+    q, k = torch.randn(2, 5, 1, 16, generator=gen), torch.randn(2, 5, 1, 16, generator=gen)
+    v = torch.randn(2, 5, 2, 16, generator=gen)
+    g = -torch.rand(2, 5, 2, *((16,) if kda else ()), generator=gen)
+    beta = torch.rand(2, 5, 2, generator=gen)
+    slots = torch.tensor([2, 0], dtype=torch.int32)
+    o = prefill_packed(layer, slots, q, k, v, g, beta, use_qk_l2norm=True, from_state=False)
+    o_ref, final = gated_delta_rule(q, k, v, g, beta, None, use_qk_l2norm=True)
+    torch.testing.assert_close(o, o_ref)
+    want = pack(layer.plan.codec().encode(final), layer.layout)
+    assert torch.equal(layer.codes[[2, 0]], want.codes)
+    # a second chunk continues from the stored (quantized) state
+    start = unpack(layer.gather(torch.tensor([2, 0]))).dequantize()
+    o2 = prefill_packed(layer, slots, q, k, v, g, beta, use_qk_l2norm=True)
+    torch.testing.assert_close(o2, gated_delta_rule(q, k, v, g, beta, start, use_qk_l2norm=True)[0])
+    assert not layer.codes[1].any()
 
 
 # ---------------------------------------------------------------- GPU: real shapes (run on the H200)
