@@ -13,6 +13,7 @@ import sys
 
 COMMAND_MODULES = (
     "stepquant.accounting",  # memory
+    "stepquant.eval.cli",  # eval
 )
 
 

@@ -1,0 +1,158 @@
+"""The state formats the evaluation compares ("methods"), resolved to per-layer codecs, with their bytes.
+
+A method is named either by a codec of the registry (stepquant.codecs.make_codec: "fp32", "bf16", "fp16",
+"int8", "int6", "int4", "int4-sr", "dsq4", "dual6", ...), used for every linear-attention layer, or by a
+calibrated plan "<variant>-<bits>" with variant in stepquant, temporal, temporal-nopivot, spatial: the plan
+committed under ``<plans-dir>/<model>/<variant>-<bits>/`` (stepquant.calibrate's ``Plan.load``), whose
+``plan.codec(i)`` is the codec of linear layer i. ``--plan PATH`` adds any plan directory as a method.
+"<method>@<layer>" (e.g. "int4@4", "stepquant-4@0") applies the method to that one model layer and keeps
+FP32 everywhere else: per-layer error attribution.
+
+:data:`DEFAULT_METHODS` is the paper's comparison (DESIGN.md section 3): the float casts, uniform rowwise
+absmax INT8/6/4 with and without stochastic rounding, DSQ, and the four STEPQuant variants at 6 and 4 bits.
+FP32 is the reference every excess NLL is measured against, so it is always evaluated (first).
+
+Bytes per request come from the codecs' exact ``storage_bits`` summed over the linear-attention layers,
+as stepquant.accounting counts them (serving count: pivot heads carry no scale slots; analytical: the
+paper's count with scale slots for every head).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from stepquant.accounting import ModelShape, StateBytes
+from stepquant.codecs import Codec, codec_names, make_codec
+
+REFERENCE = "fp32"
+PLAN_VARIANTS = ("stepquant", "temporal", "temporal-nopivot", "spatial")
+PLAN_NAME = re.compile(r"^(stepquant|temporal-nopivot|temporal|spatial)-([2-8])$")
+DEFAULT_PLANS_DIR = Path(__file__).resolve().parent.parent.parent / "plans"
+
+DEFAULT_METHODS = (
+    "fp32", "bf16", "fp16", "int8",
+    "int6", "int6-sr", "dsq6", "spatial-6", "temporal-nopivot-6", "temporal-6", "stepquant-6",
+    "int4", "int4-sr", "dsq4", "spatial-4", "temporal-nopivot-4", "temporal-4", "stepquant-4",
+)
+
+LABELS = {
+    "fp32": "FP32 (reference)", "bf16": "BF16", "fp16": "FP16",
+    "stepquant": "STEPQuant", "temporal": "temporal only", "temporal-nopivot": "temporal w/o pivots",
+    "spatial": "spatial only",
+}
+
+
+@dataclass(frozen=True)
+class Method:
+    """One state format: its name, a readable label, and the codec of each linear-attention layer.
+
+    name:   what the user typed ("int4", "stepquant-6", or a plan directory for --plan)
+    label:  for tables ("INT4", "STEPQuant@6", ...)
+    codecs: {model layer index: codec}
+    plan:   the plan object for plan-based methods (None otherwise)
+    """
+
+    name: str
+    label: str
+    codecs: dict
+    plan: object | None = None
+
+    def state_bytes(self, shape: ModelShape) -> StateBytes:
+        """Exact bytes one request's recurrent state takes in this format, all linear-attention layers."""
+        dims = (shape.heads, shape.key_dim, shape.value_dim)
+        serving = sum(codec.storage_bits(*dims) for codec in self.codecs.values())
+        analytical = sum(codec.storage_bits(*dims, analytical=True) for codec in self.codecs.values())
+        return StateBytes(self.label, -(-analytical // 8), -(-serving // 8), shape.values)
+
+
+def codec_label(name: str) -> str:
+    key = name.lower()
+    if key in LABELS:
+        return LABELS[key]
+    match = re.match(r"^(int|dsq|dual)([2-8])(-sr)?$", key)
+    if match:
+        family = {"int": "INT", "dsq": "DSQ", "dual": "dual-axis "}[match.group(1)]
+        return f"{family}{match.group(2)}" + (" SR" if match.group(3) else "")
+    return name
+
+
+def load_plan(path: str | Path, model_config=None):
+    """A calibrated plan from its directory, through stepquant.calibrate's ``Plan.load``."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no calibrated plan at {path} (run `stepquant calibrate`, or pass "
+                                "--plans-dir)")
+    try:
+        from stepquant.calibrate import Plan
+    except ImportError as err:
+        raise ValueError(f"cannot load the plan {path}: stepquant.calibrate.Plan is not available "
+                         f"({err})") from err
+    return Plan.load(path, model_config=model_config)
+
+
+def plan_method(plan, name: str, linear_layers: list[int]) -> Method:
+    """A Method from a loaded plan: codec(i) of linear layer i, labelled "<Variant>@<bits>"."""
+    plan_layers = [int(i) for i in plan.linear_layers]
+    if plan_layers != list(linear_layers):
+        raise ValueError(f"plan {name!r} covers linear-attention layers {plan_layers}, the model has "
+                         f"{list(linear_layers)}; was it calibrated for another model?")
+    variant = getattr(plan, "variant", None)
+    budget = getattr(plan, "budget_bits", None)
+    label = f"{LABELS.get(variant, variant or name)}@{budget:g}" if budget is not None else name
+    codecs = {layer: plan.codec(i) for i, layer in enumerate(linear_layers)}
+    return Method(name, label, codecs, plan)
+
+
+def resolve_method(name: str, model_name: str, linear_layers: list[int], *,
+                   plans_dir: str | Path | None = None, model_config=None) -> Method:
+    """A method name (a registry codec or "<variant>-<bits>") -> Method; clear errors for anything else."""
+    if not isinstance(name, str) or not name.strip():
+        raise TypeError(f"a method name must be a non-empty str, got {name!r}")
+    key = name.strip().lower()
+    if "@" in key:
+        return _one_layer_method(key, model_name, linear_layers, plans_dir, model_config)
+    match = PLAN_NAME.match(key)
+    if match:
+        plans_dir = Path(DEFAULT_PLANS_DIR if plans_dir is None else plans_dir)
+        plan = load_plan(plans_dir / model_name / key, model_config)
+        return plan_method(plan, key, linear_layers)
+    if key == "mixed" or key not in codec_names():
+        variants = ", ".join(f"{v}-<bits>" for v in PLAN_VARIANTS)
+        raise ValueError(f"unknown method {name!r}: use a codec name ({', '.join(codec_names()[:-1])}) or a "
+                         f"calibrated plan ({variants}; found under --plans-dir/<model>/)")
+    codec: Codec = make_codec(key)
+    return Method(key, codec_label(key), dict.fromkeys(linear_layers, codec))
+
+
+def resolve_methods(names, model_name: str, linear_layers: list[int], *, plans_dir=None, plan_paths=(),
+                    model_config=None) -> list[Method]:
+    """Methods in order, FP32 (the reference) first and exactly once, plus one per --plan path."""
+    names = [n.strip().lower() for n in names if n.strip()]
+    if REFERENCE in names:
+        names.remove(REFERENCE)
+    if len(set(names)) != len(names):
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"methods listed more than once: {dupes}")
+    methods = [resolve_method(REFERENCE, model_name, linear_layers)]
+    methods += [resolve_method(n, model_name, linear_layers, plans_dir=plans_dir, model_config=model_config)
+                for n in names]
+    for path in plan_paths:
+        plan = load_plan(path, model_config)
+        methods.append(plan_method(plan, Path(path).name, linear_layers))
+    return methods
+
+
+def _one_layer_method(key: str, model_name: str, linear_layers: list[int], plans_dir, model_config) -> Method:
+    """"<method>@<layer>": the method's codec on one model layer, FP32 everywhere else (error attribution)."""
+    base_name, _, layer_text = key.partition("@")
+    if not layer_text.isdigit() or int(layer_text) not in linear_layers:
+        raise ValueError(f"method {key!r}: after '@' give a linear-attention layer index, one of "
+                         f"{linear_layers}")
+    layer = int(layer_text)
+    base = resolve_method(base_name, model_name, linear_layers, plans_dir=plans_dir,
+                          model_config=model_config)
+    reference = make_codec(REFERENCE)
+    codecs = {i: base.codecs[i] if i == layer else reference for i in linear_layers}
+    return Method(key, f"{base.label} (layer {layer} only)", codecs, base.plan)

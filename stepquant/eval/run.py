@@ -1,0 +1,231 @@
+"""The method table on one or more models: what `stepquant eval` runs (stepquant/eval/cli.py parses it).
+
+For each model: resolve the methods (stepquant.eval.methods), cut S streams of P + D + 1 tokens from the
+eval data (shipped streams "wiki", "sotu", "brown", or the user's own .txt / .jsonl), run the drift probe
+with every method in one batch (stepquant.eval.probe), run greedy generation the same way, and collect
+bytes per request (codec storage, and what the cache measured). Writes eval.json, eval.md and one PNG per
+model, prints the table, and prints one JSON summary line last.
+
+    stepquant eval --quick --models gdn,kda --out docs/results     # the committed table (docs/eval.md)
+    stepquant eval --models gdn --methods int4,stepquant-4 --data my_text.jsonl
+
+Speed on a 2-core CPU: the work is a few hundred small tensor ops per token, so one thread per process is
+faster than two sharing a busy machine; ``--jobs 2`` evaluates two models at once in worker processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shlex
+import time
+from pathlib import Path
+
+import torch
+
+from stepquant.eval.cli import FULL, QUICK, SHIPPED_STREAMS
+from stepquant.eval.methods import DEFAULT_METHODS, resolve_methods
+from stepquant.eval.probe import drift_probe, greedy_generation
+from stepquant.eval.report import markdown_report, write_outputs
+
+
+def _round(values, digits: int = 5):
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if isinstance(values, list):
+        return [_round(v, digits) for v in values]
+    return round(float(values), digits)
+
+
+def _stream_dict(values: torch.Tensor, names: list[str], rows_of: dict[str, list[int]]) -> dict:
+    """Per-stream means of values [S] (rows grouped by their data source) plus the mean over all rows."""
+    out = {name: float(values[rows_of[name]].mean()) for name in names}
+    out["mean"] = float(values.mean())
+    return out
+
+
+def document_prompts(data: str, tokenizer, count: int, length: int) -> torch.Tensor:
+    """[count, length]: the first ``length`` tokens of the first ``count`` documents longer than that.
+
+    Generation starts at a document start so that EOS (the document separator the models were trained
+    with) is the natural place to stop.
+    """
+    from stepquant.data import texts_for
+
+    prompts = []
+    for text in texts_for(data):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if len(ids) > length:
+            prompts.append(ids[:length])
+            if len(prompts) == count:
+                return torch.tensor(prompts, dtype=torch.long)
+    raise ValueError(f"{data}: only {len(prompts)} documents have more than {length} tokens, {count} "
+                     "generation prompts were asked for; lower --gen-prompts or --gen-prompt-tokens")
+
+
+def evaluate_model(model_name: str, *, methods: list[str], data: list[str], prefill: int, decode: int,
+                   window: int, segments: int, gen_prompts: int, gen_prompt_tokens: int, gen_max_new: int,
+                   plans_dir: str | None, plan_paths: list[str], packed: bool, threads: int | None) -> dict:
+    """Everything the table needs for one model, as a JSON-ready dict."""
+    from stepquant.accounting import shape_from_config
+    from stepquant.data import segments as cut_segments
+    from stepquant.models import load, resolve
+
+    if threads:
+        torch.set_num_threads(threads)
+    started = time.perf_counter()
+    model, tokenizer = load(model_name)
+    config = model.config.get_text_config(decoder=True)
+    linear_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+    shape = shape_from_config(resolve(model_name))
+    plan_key = Path(model_name).name
+    resolved = resolve_methods(methods, plan_key, linear_layers, plans_dir=plans_dir, plan_paths=plan_paths,
+                               model_config=model.config)
+    row_codecs = [m.codecs for m in resolved]
+
+    names = [Path(d).stem if d not in SHIPPED_STREAMS else d for d in data]
+    probe_tokens = [cut_segments(d, tokenizer, segments, prefill + decode + 1) for d in data]
+    rows_of = {n: list(range(i * segments, (i + 1) * segments)) for i, n in enumerate(names)}
+    tokens = torch.cat(probe_tokens)  # [S, P + D + 1]
+    probe = drift_probe(model, tokens, row_codecs, prefill_len=prefill, window=window, packed=packed,
+                        desc=f"{model_name} drift probe")
+
+    generation = None
+    if gen_max_new > 0 and gen_prompts > 0:
+        prompts = torch.cat([document_prompts(d, tokenizer, gen_prompts, gen_prompt_tokens) for d in data])
+        generation = greedy_generation(model, prompts, row_codecs, max_new_tokens=gen_max_new,
+                                       eos_token_id=tokenizer.eos_token_id, packed=packed,
+                                       desc=f"{model_name} greedy generation")
+        gen_rows = {n: list(range(i * gen_prompts, (i + 1) * gen_prompts)) for i, n in enumerate(names)}
+
+    measured = probe.held_bytes
+    decode_ppl = probe.decode_nll.mean(-1).exp()  # [M, S]
+    method_records = {}
+    for m, method in enumerate(resolved):
+        state = method.state_bytes(shape)
+        record = {
+            "label": method.label,
+            "bits_per_value": state.bits_per_value(serving=True),
+            "analytical_bits_per_value": state.bits_per_value(),
+            "bytes_per_request": state.serving_bytes,
+            "analytical_bytes_per_request": state.analytical_bytes,
+            "ratio_vs_fp32": state.ratio_vs_fp32(serving=True),
+            "measured_bytes_per_request": measured["serving_bytes_per_request"][m],
+            "held_bytes_per_request": measured["bytes_per_request"][m],
+            "excess_nll": {
+                "first": _stream_dict(probe.excess.first[m], names, rows_of),
+                "last": _stream_dict(probe.excess.last[m], names, rows_of),
+                "all": _stream_dict(probe.excess.all[m], names, rows_of),
+            },
+            "decode_ppl": _stream_dict(decode_ppl[m], names, rows_of),
+            "curve": _round(probe.excess.curve[m]),
+        }
+        if method.plan is not None:
+            record["plan"] = {"variant": getattr(method.plan, "variant", None),
+                              "budget_bits": getattr(method.plan, "budget_bits", None)}
+        if generation is not None:
+            lengths = generation.lengths[m].double()
+            record["generation"] = {
+                "mean_length": float(lengths.mean()),
+                "length": {n: float(lengths[gen_rows[n]].mean()) for n in names},
+                "capped_fraction": float(generation.capped[m].double().mean()),
+                "mean_agree": float(generation.agree[m].double().mean()),
+                "lengths": generation.lengths[m].tolist(),
+            }
+        method_records[method.name] = record
+    prefill_ppl = probe.prefill_nll.mean(-1).exp()
+    seconds = dict(probe.seconds)
+    seconds["generation"] = 0.0 if generation is None else generation.seconds
+    seconds["total"] = time.perf_counter() - started
+    return {
+        "architecture": type(model).__name__,
+        "model_type": config.model_type,
+        "trained_context": 4096 if model_name in ("gdn", "kda") else None,
+        "shape": {"linear_layers": shape.linear_layers, "heads": shape.heads, "key_dim": shape.key_dim,
+                  "value_dim": shape.value_dim, "fp32_bytes": shape.fp32_bytes, "values": shape.values},
+        "rows": tokens.shape[0] * len(resolved),
+        "streams": names,
+        "prefill_ppl": {n: float(prefill_ppl[rows_of[n]].mean()) for n in names},
+        "window": probe.excess.window,
+        "held_bytes": measured,
+        "methods": method_records,
+        "generation": None if generation is None else {
+            "prompts_per_stream": gen_prompts, "prompt_tokens": gen_prompt_tokens,
+            "max_new_tokens": gen_max_new},
+        "seconds": seconds,
+    }
+
+
+def _machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import os
+
+    return f"{cpu}, {os.cpu_count()} CPU cores, {platform.system()} {platform.machine()}"
+
+
+def _worker(args: tuple) -> tuple[str, dict]:
+    model_name, kwargs = args
+    return model_name, evaluate_model(model_name, **kwargs)
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    import transformers
+
+    defaults = QUICK if args.quick else FULL
+    settings = {key: getattr(args, key) if getattr(args, key) is not None else value
+                for key, value in defaults.items()}
+    models = [m for item in args.models for m in item.split(",") if m]
+    methods = [m for m in args.methods.split(",") if m] if args.methods else list(DEFAULT_METHODS)
+    if args.methods == "default":
+        methods = list(DEFAULT_METHODS)
+    data = [d for item in args.data for d in item.split(",") if d]
+    if len(set(data)) != len(data):
+        raise ValueError(f"--data lists a stream more than once: {data}")
+    for key in ("prefill", "decode", "segments"):
+        if settings[key] < 1:
+            raise ValueError(f"--{key} must be >= 1, got {settings[key]}")
+    kwargs = dict(methods=methods, data=data, window=args.window, plans_dir=args.plans_dir,
+                  plan_paths=args.plan or [], packed=args.packed, threads=args.threads,
+                  prefill=settings["prefill"], decode=settings["decode"], segments=settings["segments"],
+                  gen_prompts=settings["gen_prompts"], gen_prompt_tokens=settings["gen_prompt_tokens"],
+                  gen_max_new=settings["gen_max_new"])
+    started = time.perf_counter()
+    if args.jobs > 1 and len(models) > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(models))) as pool:
+            results = dict(pool.map(_worker, [(m, kwargs) for m in models]))
+    else:
+        results = dict(_worker((m, kwargs)) for m in models)
+    record = {
+        "command": "stepquant eval " + " ".join(shlex.quote(a) for a in args.argv),
+        "machine": _machine(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "seconds": time.perf_counter() - started,
+        "settings": {**settings, "window": args.window, "data": data, "packed": args.packed,
+                     "threads": args.threads, "jobs": args.jobs, "quick": args.quick},
+        "models": {m: results[m] for m in models},
+    }
+    paths = write_outputs(record, Path(args.out), plots=not args.no_plots)
+    print(markdown_report(record))
+    summary = {
+        "seconds": round(record["seconds"], 1),
+        "outputs": paths,
+        "excess_nll_all": {
+            m: {name: round(r["excess_nll"]["all"]["mean"], 5) for name, r in res["methods"].items()}
+            for m, res in record["models"].items()
+        },
+    }
+    print(json.dumps(summary, separators=(",", ":")))
+    return 0

@@ -1,0 +1,174 @@
+"""Tests for stepquant.eval: probe arithmetic, methods, report, and a tiny end-to-end `stepquant eval`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from stepquant.accounting import dsq_bytes, int_rowwise_bytes, shape_from_config
+from stepquant.codecs import make_codec
+from stepquant.eval.cli import add_cli
+from stepquant.eval.methods import DEFAULT_METHODS, Method, plan_method, resolve_method, resolve_methods
+from stepquant.eval.probe import agreement_lengths, drift_probe, excess_nll, first_eos_lengths
+from stepquant.eval.report import markdown_report, moving_average
+from stepquant.models import load, resolve
+
+GDN_LINEAR = [0, 1, 2, 4, 5, 6]
+
+
+def test_excess_nll_windows_on_a_constructed_example():
+    steps = 600
+    reference = torch.rand(2, steps, generator=torch.Generator().manual_seed(0))  # [S, D]
+    ramp = torch.arange(steps, dtype=torch.float64) / 100  # excess 0.00, 0.01, ..., 5.99
+    method = reference.double() + torch.stack([ramp, 2 * ramp])  # stream 1 drifts twice as fast
+    nll = torch.stack([reference.double(), method, reference.double() - 0.5])  # [M=3, S=2, D]
+    result = excess_nll(nll, reference=0, window=256)
+    assert result.window == 256
+    first = ramp[:256].mean().item()  # (0 + 2.55) / 2
+    last = ramp[-256:].mean().item()  # (3.44 + 5.99) / 2
+    everything = ramp.mean().item()  # 5.99 / 2
+    torch.testing.assert_close(result.first[1], torch.tensor([first, 2 * first], dtype=torch.float64))
+    torch.testing.assert_close(result.last[1], torch.tensor([last, 2 * last], dtype=torch.float64))
+    torch.testing.assert_close(result.all[1], torch.tensor([everything, 2 * everything], dtype=torch.float64))
+    assert math.isclose(first, 1.275) and math.isclose(last, 4.715) and math.isclose(everything, 2.995)
+    assert torch.equal(result.all[0], torch.zeros(2, dtype=torch.float64))
+    torch.testing.assert_close(result.all[2], torch.full((2,), -0.5, dtype=torch.float64))
+    torch.testing.assert_close(result.curve[1], 1.5 * ramp)  # mean over the two streams
+    short = excess_nll(nll[..., :100], window=256)  # the window shrinks to D
+    assert short.window == 100
+    assert torch.equal(short.first, short.last) and torch.equal(short.first, short.all)
+    with pytest.raises(ValueError, match="methods, streams, decode steps"):
+        excess_nll(nll[0])
+    with pytest.raises(ValueError, match="reference"):
+        excess_nll(nll, reference=3)
+
+
+def test_generation_length_arithmetic():
+    eos = 0
+    tokens = torch.tensor([[5, 6, 0, 0], [5, 7, 8, 9], [0, 0, 0, 0]])
+    lengths, capped = first_eos_lengths(tokens, eos)
+    assert lengths.tolist() == [3, 4, 1] and capped.tolist() == [False, True, False]
+    reference = torch.tensor([[5, 6, 0, 0]]).expand(3, 4)
+    assert agreement_lengths(tokens, reference).tolist() == [4, 1, 0]
+
+
+def test_moving_average():
+    curve = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0]])
+    expected = lambda values: torch.tensor([values], dtype=torch.float64)
+    torch.testing.assert_close(moving_average(curve, 2), expected([1.0, 1.5, 2.5, 3.5, 4.5]))
+    torch.testing.assert_close(moving_average(curve, 10), expected([1.0, 1.5, 2.0, 2.5, 3.0]))
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_drift_probe_scores_the_right_tokens(name):
+    """The probe's NLLs equal those of one plain forward over the whole stream (no off-by-one), FP32 rows
+    have zero excess, and a quantized method is scored against them."""
+    torch.set_num_threads(1)
+    model, _ = load(name)
+    tokens = torch.randint(1, 8000, (2, 21), generator=torch.Generator().manual_seed(1))
+    prefill_len = 12
+    result = drift_probe(model, tokens, ["fp32", "int4", "fp32"], prefill_len=prefill_len, window=4)
+    with torch.inference_mode():
+        logits = model(input_ids=tokens).logits
+    full = F.cross_entropy(logits[:, :-1].transpose(1, 2), tokens[:, 1:], reduction="none")  # [S, 20]
+    torch.testing.assert_close(result.prefill_nll, full[:, :prefill_len], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(result.decode_nll[0], full[:, prefill_len:], rtol=1e-4, atol=1e-4)
+    assert result.decode_nll.shape == (3, 2, 8)
+    # a second FP32 row group sits at other batch positions: BLAS may round those rows differently (~1e-7)
+    assert result.excess.all[2].abs().max() < 1e-5
+    assert not torch.equal(result.decode_nll[1], result.decode_nll[0])
+    assert result.held_bytes["group_sizes"] == [2, 2, 2]
+    with pytest.raises(ValueError, match="at least one decode step"):
+        drift_probe(model, tokens[:, :13], ["fp32"], prefill_len=12)
+
+
+def test_methods_resolve_to_codecs_with_accounted_bytes():
+    shape = shape_from_config(resolve("gdn"))
+    methods = resolve_methods(["int4", "dsq6", "fp32", "int6-sr"], "gdn", GDN_LINEAR)
+    assert [m.name for m in methods] == ["fp32", "int4", "dsq6", "int6-sr"]  # the reference first, once
+    assert methods[1].state_bytes(shape).serving_bytes == int_rowwise_bytes(shape, 4).serving_bytes
+    assert methods[2].state_bytes(shape).serving_bytes == dsq_bytes(shape, 6).serving_bytes
+    assert methods[0].state_bytes(shape).serving_bytes == shape.fp32_bytes
+    assert methods[3].label == "INT6 SR"
+    one = resolve_method("int4@4", "gdn", GDN_LINEAR)
+    assert one.codecs[4].name == "int4" and all(one.codecs[i].name == "fp32" for i in GDN_LINEAR if i != 4)
+    with pytest.raises(ValueError, match="linear-attention layer index"):
+        resolve_method("int4@3", "gdn", GDN_LINEAR)  # layer 3 is full attention
+    with pytest.raises(ValueError, match="unknown method"):
+        resolve_method("int12", "gdn", GDN_LINEAR)
+    with pytest.raises(ValueError, match="more than once"):
+        resolve_methods(["int4", "int4"], "gdn", GDN_LINEAR)
+    with pytest.raises(FileNotFoundError, match="no calibrated plan"):
+        resolve_method("stepquant-6", "gdn", GDN_LINEAR, plans_dir="/nonexistent")
+    assert DEFAULT_METHODS[0] == "fp32" and "stepquant-4" in DEFAULT_METHODS
+
+
+def test_plan_methods_use_the_plan_codec_of_each_layer():
+    codecs = [make_codec("int6"), make_codec("int4")] * 3
+    plan = SimpleNamespace(linear_layers=tuple(GDN_LINEAR), variant="stepquant", budget_bits=6,
+                           codec=lambda i: codecs[i])
+    method = plan_method(plan, "stepquant-6", GDN_LINEAR)
+    assert method.label == "STEPQuant@6"
+    assert [method.codecs[layer] for layer in GDN_LINEAR] == codecs
+    with pytest.raises(ValueError, match="another model"):
+        plan_method(plan, "stepquant-6", [0, 1, 2])
+
+
+def _record(methods: dict) -> dict:
+    streams = ["wiki", "sotu"]
+    stream_values = lambda v: {**{s: v for s in streams}, "mean": v}
+    entries = {}
+    for name, (label, excess) in methods.items():
+        entries[name] = {
+            "label": label, "bits_per_value": 4.125, "bytes_per_request": 405504,
+            "measured_bytes_per_request": 405504, "ratio_vs_fp32": 7.76,
+            "excess_nll": {"first": stream_values(excess), "last": stream_values(excess),
+                           "all": stream_values(excess)},
+            "decode_ppl": stream_values(100.0), "curve": [excess] * 4,
+            "generation": {"mean_length": 10.0, "length": {s: 10.0 for s in streams}, "capped_fraction": 0.5,
+                           "mean_agree": 3.0},
+        }
+    model = {"architecture": "Qwen3_5ForCausalLM", "trained_context": 4096,
+             "shape": {"linear_layers": 6, "heads": 8, "key_dim": 128, "value_dim": 128,
+                       "fp32_bytes": 3145728},
+             "prefill_ppl": {s: 50.0 for s in streams}, "rows": 4, "methods": entries,
+             "seconds": {"prefill": 1.0, "replicate": 0.1, "decode": 4.0, "generation": 2.0},
+             "generation": {"prompts_per_stream": 1, "prompt_tokens": 8, "max_new_tokens": 4}}
+    return {"command": "stepquant eval --quick", "machine": "test", "date": "2026-01-01", "torch": "x",
+            "transformers": "y", "seconds": 9.0,
+            "settings": {"prefill": 8, "decode": 4, "window": 2, "segments": 1, "data": streams,
+                         "packed": False},
+            "models": {"gdn": model}}
+
+
+def test_markdown_report_lists_every_method():
+    text = markdown_report(_record({"fp32": ("FP32 (reference)", 0.0), "int4": ("INT4", 0.0123)}))
+    row = "| INT4 | 4.1250 | 405,504 | 405,504 | 7.76x | " + " | ".join(["+0.0123"] * 5) + " | 100.00 |"
+    assert row in text
+    assert "stepquant eval --quick" in text and "wiki 50.00" in text
+    assert "| INT4 | 10.0 | 10.0 | 10.0 | 50% | 3.0 |" in text
+
+
+def test_eval_command_end_to_end(tmp_path, capsys):
+    parser = argparse.ArgumentParser()
+    add_cli(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["eval", "--models", "kda", "--methods", "int4,bf16", "--data", "wiki,sotu",
+                              "--prefill", "8", "--decode", "6", "--window", "3", "--gen-prompts", "1",
+                              "--gen-prompt-tokens", "8", "--gen-max-new", "3", "--out", str(tmp_path)])
+    args.argv = ["--quick"]
+    assert args.func(args) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert set(summary["excess_nll_all"]["kda"]) == {"fp32", "int4", "bf16"}
+    assert summary["excess_nll_all"]["kda"]["fp32"] == 0.0
+    record = json.loads((tmp_path / "eval.json").read_text())
+    kda = record["models"]["kda"]
+    assert kda["streams"] == ["wiki", "sotu"] and len(kda["methods"]["int4"]["curve"]) == 6
+    assert kda["methods"]["int4"]["measured_bytes_per_request"] == kda["methods"]["int4"]["bytes_per_request"]
+    assert (tmp_path / "eval.md").exists() and (tmp_path / "excess_nll_kda.png").stat().st_size > 0
+    assert isinstance(Method, type)
