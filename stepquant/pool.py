@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stepquant.codecs import dual_axis
-from stepquant.codecs.base import Grid, check_bits_plan
+from stepquant.codecs.base import PIVOT_BITS, Grid, check_bits_plan
 from stepquant.codecs.dual_axis import DualAxisConfig, check_row_weights
 from stepquant.codecs.mixed import SPATIAL_CHOICES, MixedCodec
 from stepquant.packing import PackedLayout, PackedState
@@ -121,7 +121,8 @@ class PackedLayer:
     col_scale: fp16  [S, Hs, V]    column scales (None for spatial="absmax")
     Tables (device, flat row index h * K + i): ``row_bits`` int32, ``row_word_offset`` int32,
     ``head_scale_slot`` int32 [H]; what the kernel reads: ``row_table`` int32 (first word << 5 | bits),
-    ``head_table`` int32 [H, 2] (scale slot, plane widths used); and the FP32 factors of
+    ``head_table`` int32 [H, 2] (scale slot, flags: plane widths used | 32 if every row of the head has
+    the same integer width); and the FP32 factors of
     dual_axis.fit_dual_axis, bit for bit:
     ``row_winv`` = row_factor (w^(-1/2) times the head's gain ratio), ``row_w2`` = w^2 (refit
     weight; 0 for pivot rows), ``row_gain`` = clip_b / qmax_b (0 for pivot rows).
@@ -155,7 +156,9 @@ class PackedLayer:
         head_planes = torch.zeros(lay.num_heads, dtype=torch.int64)
         for width in (16, 8, 4, 2, 1):
             head_planes |= ((bits & width) != 0).any(dim=1).to(torch.int64) * width
-        self.head_table = put(torch.stack([lay.head_scale_slot.to(torch.int64), head_planes], 1).to(torch.int32))
+        uniform = (bits == bits[:, :1]).all(dim=1) & (bits[:, 0] != PIVOT_BITS)  # one integer width per head
+        flags = head_planes | uniform.to(torch.int64) * 32
+        self.head_table = put(torch.stack([lay.head_scale_slot.to(torch.int64), flags], 1).to(torch.int32))
         self.row_winv = put(dual_axis.row_factor(plan.w, plan.bits, plan.config))
         self.row_w2 = put(dual_axis.refit_weights(plan.w, plan.bits, plan.config))
         self.row_gain = put(dual_axis.row_gains(plan.bits, plan.config))

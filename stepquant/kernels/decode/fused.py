@@ -200,8 +200,9 @@ def fused_packed_step_kernel(
     b_bits = b_row & 31
     b_roff = b_row >> 5
     i_hs = tl.load(plan_heads + i_h * 2)
-    i_planes = tl.load(plan_heads + i_h * 2 + 1)
-    i_one = (i_planes >> 5) + 1  # plane widths are < 32: a 1 only known at run time (see _chunk_ptr)
+    i_flags = tl.load(plan_heads + i_h * 2 + 1)  # plane widths used | 32 if all rows share one integer width
+    i_planes = i_flags & 31
+    i_one = (i_flags >> 16) + 1  # flags are < 2^16: a 1 only known at run time (see _chunk_ptr)
     m_int = m_k & (b_bits > 0) & (b_bits <= 8)
     # pivot and padded rows use a placeholder width: their codes are computed but never stored
     b_nb = tl.where(m_int, b_bits, 8)
@@ -323,17 +324,23 @@ def fused_packed_step_kernel(
             b_y = _div(b_x, b_r[None, :, None], b_rr[None, :, None])  # Y = X / r
             # pivot and padded rows have gain 0, so they take no part in the column fit
             b_gain = tl.load(plan_gain + i_h * K + o_k, mask=m_int, other=0.0)
-            b_c = _fp16_scale(tl.max(tl.abs(b_y) * b_gain[None, :, None], 1))  # [8, NM]
+            if (i_flags & 32) != 0:
+                # one width (and gain) for the whole head: max_i fl(|Y_ij| g) = fl(max_i |Y_ij| g) exactly
+                b_g0 = tl.max(b_gain, 0)
+                b_c = _fp16_scale(tl.max(tl.abs(b_y), 1) * b_g0)  # [8, NM]
+            else:
+                b_c = _fp16_scale(tl.max(tl.abs(b_y) * b_gain[None, :, None], 1))
             b_rc = _rcp(b_c, APPROX_RCP)
             b_u = _codes(b_y, b_c, b_rc, b_zero, b_lo, b_hi, IS_MIDRISE)  # [8, BK, NM]
             if REFIT_ITERS > 0:
                 b_w2 = tl.load(plan_w2 + i_h * K + o_k, mask=m_int, other=0.0)
-                b_w2r = b_w2 * b_r
-                b_w2r2 = b_w2r * b_r
+                b_w2r2 = (b_w2 * b_r) * b_r
                 for it in tl.static_range(REFIT_ITERS):
                     b_z = b_u - b_zero[None, :, None]  # levels
-                    b_num, b_den = tl.reduce(((b_w2r[None, :, None] * b_z) * b_x,
-                                              b_w2r2[None, :, None] * (b_z * b_z)), 1, _add2)  # [8, NM]
+                    # w^2 r z X = (w^2 r^2 z) Y up to the rounding of Y = X / r: one product serves both
+                    # sums (a reordering like the FP32 sums themselves; scales match to tolerance)
+                    b_wz = b_w2r2[None, :, None] * b_z
+                    b_num, b_den = tl.reduce((b_wz * b_y, b_wz * b_z), 1, _add2)  # [8, NM]
                     b_cn = _fp16_scale(b_num * _rcp(tl.where(b_den > 0, b_den, 1.0), APPROX_RCP))
                     b_cn = tl.where(b_den > 0, b_cn, b_c)
                     if it < REFIT_ITERS - 1:
@@ -380,7 +387,9 @@ def fused_packed_step_kernel(
                 _store_plane(p_slot, b_code >> s_p1[None, :, None], o_p1, m_p1, o_p, o_m, m_m, i_one, 1)
         if PLANES & 16:
             if any16:
-                b_pv = tl.minimum(tl.maximum(b_x, -FP16_SCALE_MAX), FP16_SCALE_MAX).to(tl.float16)
+                # pivot rows have r = 1, so Y = X / 1 = X exactly (and X need not stay live until here)
+                b_src = b_y if USE_DUAL_AXIS else b_t
+                b_pv = tl.minimum(tl.maximum(b_src, -FP16_SCALE_MAX), FP16_SCALE_MAX).to(tl.float16)
                 tl.store(p_c16, b_pv, mask=m_p16[None, :, None] & m_j[:, None, :])
         if i_hs >= 0:
             tl.store(p_rs, b_r.to(tl.float16), mask=m_k)
