@@ -19,8 +19,13 @@ GPU tests (@pytest.mark.gpu, real shapes K = V = 128) run on CUDA only: pytest -
 from __future__ import annotations
 
 import os
+import sys
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # must precede the first import of triton
+# The interpreter must be on before triton is first imported (triton.language's own helpers are jit
+# functions). If another test module imported triton earlier without it, the CPU tests skip (run this
+# file alone, or set TRITON_INTERPRET=1 in a conftest) instead of failing.
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch
@@ -42,7 +47,8 @@ from stepquant.recurrence import gated_delta_rule
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRETED or not torch.cuda.is_available() else "cuda"
 needs_triton_device = pytest.mark.skipif(
-    not INTERPRETED and not torch.cuda.is_available(), reason="needs CUDA or TRITON_INTERPRET=1"
+    not INTERPRETED and not torch.cuda.is_available(),
+    reason="needs CUDA, or TRITON_INTERPRET=1 set before triton was first imported in this process",
 )
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA GPU")
 
