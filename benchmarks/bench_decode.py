@@ -431,6 +431,23 @@ def main(argv=None) -> int:
     copy_bps = copy_bandwidth(args.warmup, args.rep, 2**30 if DEVICE == "cuda" else 2**20)
     log(f"copy bandwidth {copy_bps / 1e12:.3f} TB/s")
     rec, checks = Recorder(copy_bps), []
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
+    fla_version = "skipped" if fla is None else (fla.version or f"unavailable ({fla.error})")
+
+    def snapshot() -> dict:
+        result = dict(
+            env=dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, fla=fla_version,
+                     python=platform.python_version()),
+            copy_tbps=copy_bps / 1e12, models=list(models), labels={m: MODELS[m]["label"] for m in models},
+            batches=args.batches, rows=rec.rows, checks=checks, seconds=time.time() - started,
+            args={k: v for k, v in vars(args).items() if k != "out"},
+        )
+        if args.out is not None:  # written after every model, so a time limit still leaves results
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "bench_decode.json").write_text(json.dumps(result, indent=1, default=str))
+            (args.out / "bench_decode.md").write_text(markdown(result))
+        return result
+
     for name, spec in models.items():
         try:
             checks.append(check(name, spec))
@@ -440,19 +457,7 @@ def main(argv=None) -> int:
         if fla is not None and fla.error is None:
             run_fla(name, spec, args, fla, rec)
         run_ours(name, spec, args, rec)
-    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu (dry run)"
-    fla_version = "skipped" if fla is None else (fla.version or f"unavailable ({fla.error})")
-    result = dict(
-        env=dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, fla=fla_version,
-                 python=platform.python_version()),
-        copy_tbps=copy_bps / 1e12, models=list(models), labels={m: MODELS[m]["label"] for m in models},
-        batches=args.batches, rows=rec.rows, checks=checks, seconds=time.time() - started,
-        args={k: v for k, v in vars(args).items() if k != "out"},
-    )
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_decode.json").write_text(json.dumps(result, indent=1, default=str))
-        (args.out / "bench_decode.md").write_text(markdown(result))
+        result = snapshot()
     print(summary_table(result))
     big = max(args.batches)
     headline = {f"{r['model']}_{r['bits']}b_ms": round(r["ms"], 5) for r in rec.rows

@@ -36,12 +36,12 @@ EOF
 cat "$OUT/env.txt"
 
 echo "== GPU kernel tests (pytest -m gpu tests/test_kernels.py)"
-timeout 150 python3 -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider -x > "$OUT/gpu_tests.log" 2>&1
+timeout 120 python3 -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider -x > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $? (log: $OUT/gpu_tests.log)"
 tail -n 5 "$OUT/gpu_tests.log"
 
 echo "== decode benchmark"
-timeout 270 python3 benchmarks/bench_decode.py --out "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.log" | tee -a "$OUT/bench.log"
+timeout 220 python3 benchmarks/bench_decode.py --out "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.log" | tee -a "$OUT/bench.log"
 status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ]; then
     echo "bench_decode.py exit $status; last log lines:"
