@@ -724,11 +724,10 @@ def format_report(report: dict) -> str:
 
 
 def load_plan_bits(path: str | Path):
-    """Hook for ``--plan``: per-layer bits of a calibrated plan file (stepquant/calibrate owns the format)."""
-    raise ValueError(
-        f"--plan {path}: reading plan files is not wired yet (the plan format belongs to "
-        "stepquant/calibrate); from Python use stepquant.accounting.plan_bytes(layer_bits, shape)"
-    )
+    """Hook for ``--plan``: per-layer bits [H, K] of a plan directory (format: stepquant/calibrate)."""
+    from stepquant.calibrate.plan import Plan  # calibration imports accounting, not the other way round
+
+    return list(Plan.load(path).bits)
 
 
 def _run_memory(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ import sys
 COMMAND_MODULES = (
     "stepquant.accounting",  # memory
     "stepquant.eval.cli",  # eval
+    "stepquant.calibrate.cli",  # calibrate
 )
 
 

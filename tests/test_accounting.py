@@ -438,7 +438,7 @@ def test_cli_config(capsys, tmp_path):
     [((), "give exactly one of --preset NAME or --config"),
      (("--preset", "qwen3.8-27b", "--bits", "9"), "bits=9 is out of range"),
      (("--preset", "qwen3.8-27b", "--pivots", "5000"), "pivots=5000 heads do not fit"),
-     (("--preset", "qwen3.8-27b", "--plan", "plan.json"), "reading plan files is not wired yet"),
+     (("--preset", "qwen3.8-27b", "--plan", "plan.json"), "plan.json does not exist"),
      (("--preset", "qwen3.8-27b", "--batch", "0"), "batch must be >= 1")],
     ids=["no-model", "bits-9", "too-many-pivots", "plan-hook", "batch-0"],
 )
