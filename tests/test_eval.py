@@ -14,7 +14,14 @@ import torch.nn.functional as F
 from stepquant.accounting import dsq_bytes, int_rowwise_bytes, shape_from_config
 from stepquant.codecs import make_codec
 from stepquant.eval.cli import add_cli
-from stepquant.eval.methods import DEFAULT_METHODS, Method, plan_method, resolve_method, resolve_methods
+from stepquant.eval.methods import (
+    DEFAULT_METHODS,
+    Method,
+    plan_method,
+    plan_path,
+    resolve_method,
+    resolve_methods,
+)
 from stepquant.eval.probe import agreement_lengths, drift_probe, excess_nll, first_eos_lengths
 from stepquant.eval.report import markdown_report, moving_average
 from stepquant.models import load, resolve
@@ -40,8 +47,13 @@ def test_excess_nll_windows_on_a_constructed_example():
     assert torch.equal(result.all[0], torch.zeros(2, dtype=torch.float64))
     torch.testing.assert_close(result.all[2], torch.full((2,), -0.5, dtype=torch.float64))
     torch.testing.assert_close(result.curve[1], 1.5 * ramp)  # mean over the two streams
+    blocks = excess_nll(nll, window=256, block=100)  # 6 blocks of 100 predictions per stream
+    expected_blocks = torch.cat([ramp.view(6, 100).mean(-1), 2 * ramp.view(6, 100).mean(-1)])  # [S * 6]
+    torch.testing.assert_close(blocks.block_means[1], expected_blocks)
+    torch.testing.assert_close(blocks.stderr[1], expected_blocks.std() / 12**0.5)
+    assert blocks.stderr[0] == 0
     short = excess_nll(nll[..., :100], window=256)  # the window shrinks to D
-    assert short.window == 100
+    assert short.window == 100 and short.block == 64 and short.block_means.shape == (3, 2)
     assert torch.equal(short.first, short.last) and torch.equal(short.first, short.all)
     with pytest.raises(ValueError, match="methods, streams, decode steps"):
         excess_nll(nll[0])
@@ -106,7 +118,17 @@ def test_methods_resolve_to_codecs_with_accounted_bytes():
         resolve_methods(["int4", "int4"], "gdn", GDN_LINEAR)
     with pytest.raises(FileNotFoundError, match="no calibrated plan"):
         resolve_method("stepquant-6", "gdn", GDN_LINEAR, plans_dir="/nonexistent")
+    kept = resolve_methods(["int4", "stepquant-6", "spatial-4@0"], "gdn", GDN_LINEAR,
+                           plans_dir="/nonexistent", skip_missing_plans=True)
+    assert [m.name for m in kept] == ["fp32", "int4"]
     assert DEFAULT_METHODS[0] == "fp32" and "stepquant-4" in DEFAULT_METHODS
+
+
+def test_plan_directories_in_both_layouts(tmp_path):
+    (tmp_path / "gdn" / "stepquant-6").mkdir(parents=True)
+    assert plan_path("stepquant-6", "gdn", tmp_path) == tmp_path / "gdn" / "stepquant-6"  # plans/<model>/
+    (tmp_path / "temporal-4").mkdir()
+    assert plan_path("temporal-4", "gdn", tmp_path) == tmp_path / "temporal-4"  # a calibrate --out folder
 
 
 def test_plan_methods_use_the_plan_codec_of_each_layer():

@@ -12,6 +12,7 @@ import sys
 from stepquant.eval.methods import DEFAULT_METHODS, REFERENCE
 
 DEFAULT_WINDOW = 256  # first / last decode predictions reported, as in the paper
+DEFAULT_BLOCK = 64  # decode predictions per block for the standard error of the mean excess NLL
 # The paper's probe (Appendix E): P = 2048 native prefill, D = 6144 forced decode updates.
 # Greedy generation: the first gen_prompt_tokens of gen_prompts documents per stream, until EOS or the cap.
 FULL = {"prefill": 2048, "decode": 6144, "segments": 1, "gen_prompts": 4, "gen_prompt_tokens": 32,

@@ -78,6 +78,19 @@ def codec_label(name: str) -> str:
     return name
 
 
+def plan_path(key: str, model_name: str, plans_dir: str | Path | None = None) -> Path:
+    """Where plan "<variant>-<bits>" of a model lives: ``<plans-dir>/<key>`` when that exists (a directory
+    `stepquant calibrate --out` wrote for one model), else ``<plans-dir>/<model>/<key>`` (the repository's
+    plans/ layout)."""
+    plans_dir = Path(DEFAULT_PLANS_DIR if plans_dir is None else plans_dir)
+    direct = plans_dir / key
+    return direct if direct.exists() else plans_dir / model_name / key
+
+
+def is_plan_method(name: str) -> bool:
+    return PLAN_NAME.match(name.strip().lower().partition("@")[0]) is not None
+
+
 def load_plan(path: str | Path, model_config=None):
     """A calibrated plan from its directory, through stepquant.calibrate's ``Plan.load``."""
     path = Path(path)
@@ -115,8 +128,7 @@ def resolve_method(name: str, model_name: str, linear_layers: list[int], *,
         return _one_layer_method(key, model_name, linear_layers, plans_dir, model_config)
     match = PLAN_NAME.match(key)
     if match:
-        plans_dir = Path(DEFAULT_PLANS_DIR if plans_dir is None else plans_dir)
-        plan = load_plan(plans_dir / model_name / key, model_config)
+        plan = load_plan(plan_path(key, model_name, plans_dir), model_config)
         return plan_method(plan, key, linear_layers)
     if key == "mixed" or key not in codec_names():
         variants = ", ".join(f"{v}-<bits>" for v in PLAN_VARIANTS)
@@ -127,9 +139,15 @@ def resolve_method(name: str, model_name: str, linear_layers: list[int], *,
 
 
 def resolve_methods(names, model_name: str, linear_layers: list[int], *, plans_dir=None, plan_paths=(),
-                    model_config=None) -> list[Method]:
-    """Methods in order, FP32 (the reference) first and exactly once, plus one per --plan path."""
+                    model_config=None, skip_missing_plans: bool = False) -> list[Method]:
+    """Methods in order, FP32 (the reference) first and exactly once, plus one per --plan path.
+
+    skip_missing_plans: drop "<variant>-<bits>" methods whose plan directory does not exist (used for the
+    default method list, so that a plans directory with only some budgets still evaluates)."""
     names = [n.strip().lower() for n in names if n.strip()]
+    if skip_missing_plans:
+        names = [n for n in names if not is_plan_method(n)
+                 or plan_path(n.partition("@")[0], model_name, plans_dir).exists()]
     if REFERENCE in names:
         names.remove(REFERENCE)
     if len(set(names)) != len(names):

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from stepquant.eval.cli import DEFAULT_WINDOW
+from stepquant.eval.cli import DEFAULT_BLOCK, DEFAULT_WINDOW
 from stepquant.integrations.hf_cache import CompressedStateCache
 
 
@@ -38,17 +38,24 @@ class ExcessNLL:
 
     first, last, all: [M, S] means over the first / last ``window`` predictions and over all D
     curve:            [M, D] per-step excess, averaged over streams
-    window:           the window actually used, min(requested window, D)
+    block_means:      [M, S * (D // block)] means of consecutive blocks of ``block`` predictions
+    stderr:           [M] standard error of the all-D mean over streams, from the block means (blocks
+                      absorb the token-to-token correlation of the excess; nan with fewer than 2 blocks)
+    window, block:    the sizes actually used (each at most D)
     """
 
     first: torch.Tensor
     last: torch.Tensor
     all: torch.Tensor
     curve: torch.Tensor
+    block_means: torch.Tensor
+    stderr: torch.Tensor
     window: int
+    block: int
 
 
-def excess_nll(nll: torch.Tensor, reference: int = 0, window: int = DEFAULT_WINDOW) -> ExcessNLL:
+def excess_nll(nll: torch.Tensor, reference: int = 0, window: int = DEFAULT_WINDOW,
+               block: int = DEFAULT_BLOCK) -> ExcessNLL:
     """Excess NLL windows of nll [M, S, D] (method, stream, decode step) against method ``reference``."""
     if not isinstance(nll, torch.Tensor) or nll.dim() != 3:
         got = tuple(nll.shape) if isinstance(nll, torch.Tensor) else type(nll).__name__
@@ -58,16 +65,24 @@ def excess_nll(nll: torch.Tensor, reference: int = 0, window: int = DEFAULT_WIND
         raise ValueError("nll has no decode steps")
     if not 0 <= reference < num_methods:
         raise ValueError(f"reference must index one of the {num_methods} methods, got {reference}")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be a positive int, got {window!r}")
-    window = min(window, steps)
+    for name, value in (("window", window), ("block", block)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    window, block = min(window, steps), min(block, steps)
     excess = nll.double() - nll[reference].double()  # [M, S, D]
+    num_blocks = steps // block
+    block_means = excess[..., : num_blocks * block].reshape(num_methods, -1, block).mean(-1)  # [M, S * nb]
+    stderr = block_means.std(dim=1) / block_means.shape[1] ** 0.5 if block_means.shape[1] > 1 else (
+        torch.full((num_methods,), float("nan"), dtype=torch.float64))
     return ExcessNLL(
         first=excess[..., :window].mean(-1),
         last=excess[..., -window:].mean(-1),
         all=excess.mean(-1),
         curve=excess.mean(1),
+        block_means=block_means,
+        stderr=stderr,
         window=window,
+        block=block,
     )
 
 

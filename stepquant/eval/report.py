@@ -16,6 +16,10 @@ def _signed(x: float | None, digits: int = 4) -> str:
     return "n/a" if x is None else f"{x:+.{digits}f}"
 
 
+def _stderr(x: float | None) -> str:
+    return "" if x is None or x != x else f" ± {x:.4f}"
+
+
 def _bytes(n: int) -> str:
     return f"{n:,}"
 
@@ -39,7 +43,9 @@ def markdown_report(record: dict) -> str:
         "Excess NLL = NLL with the method's state minus NLL with the FP32 state, nats per predicted token, "
         f"over the first {settings['window']}, the last {settings['window']} and all D compressed-read "
         f"predictions; mean over streams ({', '.join(settings['data'])}; {settings['segments']} segment(s) "
-        "of P + D + 1 tokens each). "
+        "of P + D + 1 tokens each); ± is the standard error of the all-D mean, from the means of blocks of "
+        f"{settings.get('block', 64)} consecutive predictions (blocks absorb the token-to-token "
+        "correlation). "
         "All methods share one prefill and one batched decode loop, so every row of a table comes from the "
         "same forward passes as the FP32 reference.",
         "",
@@ -89,7 +95,7 @@ def _model_section(model_name: str, model: dict, settings: dict) -> list[str]:
             f"{method['ratio_vs_fp32']:.2f}x",
             _signed(excess["first"]["mean"]),
             _signed(excess["last"]["mean"]),
-            _signed(excess["all"]["mean"]),
+            _signed(excess["all"]["mean"]) + _stderr(excess.get("stderr")),
         ] + [_signed(excess["all"][s]) for s in streams] + [f"{method['decode_ppl']['mean']:.2f}"]
         lines.append("| " + " | ".join(row) + " |")
     gen = model.get("generation")
@@ -125,8 +131,10 @@ def moving_average(curve: torch.Tensor, window: int) -> torch.Tensor:
     return (padded[..., ends] - padded[..., starts]) / (ends - starts)
 
 
-def plot_curves(model_name: str, model: dict, path: Path, smooth: int = 64) -> Path:
-    """PNG of the excess-NLL curves (moving average over ``smooth`` steps): 16/8/6-bit and 4-bit panels."""
+def plot_curves(model_name: str, model: dict, path: Path, smooth: int = 128) -> Path:
+    """PNG of the excess-NLL curves over decode steps: 16/8/6-bit formats left, 4-bit formats right; top row a
+    ``smooth``-step trailing moving average, bottom row the running mean from the boundary (what the
+    "all D" column reports at the last step)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -135,19 +143,24 @@ def plot_curves(model_name: str, model: dict, path: Path, smooth: int = 64) -> P
     names = [n for n in model["methods"] if n != "fp32"]
     low_bit = [n for n in names if n.endswith("4") or n.endswith("4-sr") or "-4" in n]
     high_bit = [n for n in names if n not in low_bit]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 4.6), sharey=True)
-    for ax, group, title in ((axes[0], high_bit, "16/8/6-bit formats"), (axes[1], low_bit, "4-bit formats")):
-        for name in group:
-            curve = torch.tensor(model["methods"][name]["curve"])
-            label = model["methods"][name]["label"]
-            ax.plot(moving_average(curve, smooth).numpy(), label=label, linewidth=1.2)
-        ax.axhline(0.0, color="black", linewidth=0.6)
-        ax.set_yscale("symlog", linthresh=1e-3)
-        ax.set_xlabel("decode step (compressed-state reads)")
-        ax.set_title(f"{model_name}: {title}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7, ncol=2)
-    axes[0].set_ylabel(f"excess NLL, nats/token ({smooth}-step moving average)")
+    fig, axes = plt.subplots(2, 2, figsize=(13, 8), sharex=True)
+    colors = plt.get_cmap("tab10").colors
+    for col, (group, title) in enumerate(((high_bit, "16/8/6-bit formats"), (low_bit, "4-bit formats"))):
+        for k, name in enumerate(group):
+            curve = torch.tensor(model["methods"][name]["curve"], dtype=torch.float64)
+            running = curve.cumsum(0) / torch.arange(1, curve.numel() + 1)
+            style = dict(label=model["methods"][name]["label"], linewidth=1.1, color=colors[k % len(colors)],
+                         linestyle="-" if k < len(colors) else "--")
+            axes[0, col].plot(moving_average(curve, smooth).numpy(), **style)
+            axes[1, col].plot(running.numpy(), **style)
+        axes[0, col].set_title(f"{model_name}: {title}")
+        axes[1, col].set_xlabel("decode step (compressed-state reads)")
+        for row in (0, 1):
+            axes[row, col].axhline(0.0, color="black", linewidth=0.6)
+            axes[row, col].grid(True, alpha=0.3)
+        axes[0, col].legend(fontsize=7, ncol=2)
+    axes[0, 0].set_ylabel(f"excess NLL, nats/token\n({smooth}-step moving average)")
+    axes[1, 0].set_ylabel("excess NLL, nats/token\n(running mean from the boundary)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -155,7 +168,7 @@ def plot_curves(model_name: str, model: dict, path: Path, smooth: int = 64) -> P
     return path
 
 
-def write_outputs(record: dict, out_dir: Path, plots: bool = True, smooth: int = 64) -> dict:
+def write_outputs(record: dict, out_dir: Path, plots: bool = True, smooth: int = 128) -> dict:
     """Write eval.json, eval.md and one PNG per model into out_dir; returns {kind: path}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = {}

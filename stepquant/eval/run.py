@@ -20,12 +20,13 @@ import datetime
 import json
 import platform
 import shlex
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from stepquant.eval.cli import FULL, QUICK, SHIPPED_STREAMS
+from stepquant.eval.cli import DEFAULT_BLOCK, FULL, QUICK, SHIPPED_STREAMS
 from stepquant.eval.methods import DEFAULT_METHODS, resolve_methods
 from stepquant.eval.probe import drift_probe, greedy_generation
 from stepquant.eval.report import markdown_report, write_outputs
@@ -67,7 +68,8 @@ def document_prompts(data: str, tokenizer, count: int, length: int) -> torch.Ten
 
 def evaluate_model(model_name: str, *, methods: list[str], data: list[str], prefill: int, decode: int,
                    window: int, segments: int, gen_prompts: int, gen_prompt_tokens: int, gen_max_new: int,
-                   plans_dir: str | None, plan_paths: list[str], packed: bool, threads: int | None) -> dict:
+                   plans_dir: str | None, plan_paths: list[str], packed: bool, threads: int | None,
+                   skip_missing_plans: bool = False) -> dict:
     """Everything the table needs for one model, as a JSON-ready dict."""
     from stepquant.accounting import shape_from_config
     from stepquant.data import segments as cut_segments
@@ -82,7 +84,11 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
     shape = shape_from_config(resolve(model_name))
     plan_key = Path(model_name).name
     resolved = resolve_methods(methods, plan_key, linear_layers, plans_dir=plans_dir, plan_paths=plan_paths,
-                               model_config=model.config)
+                               model_config=model.config, skip_missing_plans=skip_missing_plans)
+    skipped = [m for m in methods if m != "fp32" and m not in {r.name for r in resolved}]
+    if skipped:
+        print(f"stepquant eval: {model_name}: no calibrated plan for {', '.join(skipped)} (looked in "
+              f"{plans_dir or 'plans/'}); evaluating the other methods", file=sys.stderr)
     row_codecs = [m.codecs for m in resolved]
 
     names = [Path(d).stem if d not in SHIPPED_STREAMS else d for d in data]
@@ -118,6 +124,9 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
                 "first": _stream_dict(probe.excess.first[m], names, rows_of),
                 "last": _stream_dict(probe.excess.last[m], names, rows_of),
                 "all": _stream_dict(probe.excess.all[m], names, rows_of),
+                "stderr": float(probe.excess.stderr[m]),
+                "block": probe.excess.block,
+                "block_means": _round(probe.excess.block_means[m], 6),
             },
             "decode_ppl": _stream_dict(decode_ppl[m], names, rows_of),
             "curve": _round(probe.excess.curve[m]),
@@ -150,6 +159,7 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
         "prefill_ppl": {n: float(prefill_ppl[rows_of[n]].mean()) for n in names},
         "window": probe.excess.window,
         "held_bytes": measured,
+        "skipped_methods": skipped,
         "methods": method_records,
         "generation": None if generation is None else {
             "prompts_per_stream": gen_prompts, "prompt_tokens": gen_prompt_tokens,
@@ -184,9 +194,8 @@ def run_eval(args: argparse.Namespace) -> int:
     settings = {key: getattr(args, key) if getattr(args, key) is not None else value
                 for key, value in defaults.items()}
     models = [m for item in args.models for m in item.split(",") if m]
-    methods = [m for m in args.methods.split(",") if m] if args.methods else list(DEFAULT_METHODS)
-    if args.methods == "default":
-        methods = list(DEFAULT_METHODS)
+    defaulted = args.methods in (None, "default")
+    methods = list(DEFAULT_METHODS) if defaulted else [m for m in args.methods.split(",") if m]
     data = [d for item in args.data for d in item.split(",") if d]
     if len(set(data)) != len(data):
         raise ValueError(f"--data lists a stream more than once: {data}")
@@ -197,7 +206,7 @@ def run_eval(args: argparse.Namespace) -> int:
                   plan_paths=args.plan or [], packed=args.packed, threads=args.threads,
                   prefill=settings["prefill"], decode=settings["decode"], segments=settings["segments"],
                   gen_prompts=settings["gen_prompts"], gen_prompt_tokens=settings["gen_prompt_tokens"],
-                  gen_max_new=settings["gen_max_new"])
+                  gen_max_new=settings["gen_max_new"], skip_missing_plans=defaulted)
     started = time.perf_counter()
     if args.jobs > 1 and len(models) > 1:
         import multiprocessing
@@ -213,8 +222,8 @@ def run_eval(args: argparse.Namespace) -> int:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "seconds": time.perf_counter() - started,
-        "settings": {**settings, "window": args.window, "data": data, "packed": args.packed,
-                     "threads": args.threads, "jobs": args.jobs, "quick": args.quick},
+        "settings": {**settings, "window": args.window, "block": DEFAULT_BLOCK, "data": data,
+                     "packed": args.packed, "threads": args.threads, "jobs": args.jobs, "quick": args.quick},
         "models": {m: results[m] for m in models},
     }
     paths = write_outputs(record, Path(args.out), plots=not args.no_plots)
