@@ -191,3 +191,18 @@ def test_committed_plans_load_and_meet_their_budget(directory):
     assert plan.variant + f"-{plan.budget_bits}" == directory.name
     assert accounting["within_budget"] and accounting["slack_bits"] >= 0
     assert accounting["serving_bytes"] <= accounting["nominal_serving_bytes"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(("--model", "gdn", "--bits", "9"), "bits (the budget b̄) must be an int in 2..8, got 9"),
+     (("--model", "gdn", "--horizon", "0"), "horizon must be a positive int"),
+     (("--model", "gdn", "--candidates", "1,3"), "candidate bit widths must be ints in 2..8"),
+     (("--model", "gdn", "--variant", "uniform"), "--variant must be 'all' or a comma list"),
+     (("--bits", "6",), "give --model PATH_OR_SHIPPED_NAME (or --stats DIR"),
+     (("--model", "nowhere"), "no model at nowhere")],
+    ids=["bits-9", "horizon-0", "candidate-1-bit", "unknown-variant", "no-model", "missing-model"],
+)
+def test_calibrate_cli_refuses_bad_arguments_before_running(capsys, tmp_path, argv, message):
+    assert main(["calibrate", "--out", str(tmp_path), *argv]) == 2
+    assert message in capsys.readouterr().err

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import torch
 
-from .allocate import DEFAULT_HORIZON, VARIANTS, allocate
+from .allocate import (
+    DEFAULT_HORIZON,
+    VARIANTS,
+    allocate,
+    check_candidates,
+    default_candidates,
+    lifetime_weights,
+)
 from .plan import PLAN_PLOT, Plan, build_plan, model_identity
 from .stats import (
     DEFAULT_BATCH_SIZE,
@@ -259,6 +266,14 @@ def run_calibrate(args: argparse.Namespace) -> int:
     candidates = _int_list(args.candidates, "--candidates") if args.candidates else None
     if args.stats is None and args.model is None:
         raise ValueError("give --model PATH_OR_SHIPPED_NAME (or --stats DIR to reuse saved statistics)")
+    # fail on a bad budget / candidate set / horizon / pivot count before the model runs, not after
+    for bits in bits_list:
+        default_candidates(bits)
+    if candidates is not None:
+        check_candidates(candidates)
+    lifetime_weights(torch.zeros(1), args.horizon)
+    if args.pivots is not None and args.pivots < 0:
+        raise ValueError(f"--pivots must be >= 0, got {args.pivots}")
     out = Path(args.out)
     started = time.perf_counter()
     if args.stats is not None:
