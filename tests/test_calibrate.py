@@ -39,6 +39,16 @@ from stepquant.models import load, use_recurrent_prefill
 # ---------------------------------------------------------------- shared helpers
 
 
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread():
+    """One torch thread while these tests run: on a 2-core machine shared with other jobs, two OpenMP
+    threads per process slowed a small calibration ~35x (38 s vs 1.1 s); alone it costs little."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def synthetic_stats(family="gdn", layers=(0, 1), heads=3, key_dim=8, value_dim=8, seed=0, model_type=None):
     """CalibrationStats with random lifetimes, omega and strictly decreasing d(b) (no model run)."""
     gen = torch.Generator().manual_seed(seed)

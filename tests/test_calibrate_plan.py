@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_calibrate import synthetic_stats
+from test_calibrate import single_torch_thread, synthetic_stats  # noqa: F401 (an autouse fixture)
 
 from stepquant.accounting import plan_bytes
 from stepquant.calibrate import Plan, allocate, build_plan

@@ -274,6 +274,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     lifetime_weights(torch.zeros(1), args.horizon)
     if args.pivots is not None and args.pivots < 0:
         raise ValueError(f"--pivots must be >= 0, got {args.pivots}")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     out = Path(args.out)
     started = time.perf_counter()
     if args.stats is not None:
@@ -415,6 +419,13 @@ def add_cli(subparsers) -> None:
     )
     parser.add_argument(
         "--stats", default=None, help=f"reuse statistics from DIR/{STATS_FILE} (no model run)"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's own); 1 avoids OpenMP oversubscription on a machine "
+        "shared with other jobs",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")

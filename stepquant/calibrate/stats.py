@@ -384,6 +384,8 @@ def run_segments(
     Returns the (closed) observer, whose ``linear_layers``/``family``/``model_type`` describe the model.
     """
     segments = _check_segments(segments)
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int (segments per forward pass), got {batch_size!r}")
     input_device = _input_device(model)
     forward_kwargs = {"use_cache": False}
     if "logits_to_keep" in inspect.signature(model.forward).parameters:
