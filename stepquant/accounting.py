@@ -723,11 +723,17 @@ def format_report(report: dict) -> str:
     return "\n".join(lines)
 
 
-def load_plan_bits(path: str | Path):
-    """Hook for ``--plan``: per-layer bits [H, K] of a plan directory (format: stepquant/calibrate)."""
+def load_plan_state_bytes(path: str | Path, shape: ModelShape) -> StateBytes:
+    """``--plan``: serving and analytical bytes of a calibrated plan directory (stepquant calibrate) on shape.
+
+    Counted with the plan's own stored format: temporal variants (rowwise absmax) keep row scales
+    only, so their column scales must not be counted (``has_col_scale`` of the plan).
+    """
     from stepquant.calibrate.plan import Plan  # calibration imports accounting, not the other way round
 
-    return list(Plan.load(path).bits)
+    plan = Plan.load(path)
+    return plan_bytes(list(plan.bits), shape, has_col_scale=plan.has_col_scale,
+                      label=f"plan {Path(path).name} ({plan.variant}@{plan.budget_bits})")
 
 
 def _run_memory(args: argparse.Namespace) -> int:
@@ -736,7 +742,7 @@ def _run_memory(args: argparse.Namespace) -> int:
     shape = get_preset(args.preset) if args.preset is not None else shape_from_config(args.config)
     plan = None
     if args.plan is not None:
-        plan = plan_bytes(load_plan_bits(args.plan), shape, label=f"plan {Path(args.plan).name}")
+        plan = load_plan_state_bytes(args.plan, shape)
     report = memory_report(shape, args.bits, args.pivots, args.batch, args.slots_per_request,
                            args.context, args.measured_bytes, plan)
     if not args.json:
@@ -770,6 +776,9 @@ def add_cli(subparsers) -> None:
                         help="context tokens per request for the attention-KV term of the totals (default 0)")
     parser.add_argument("--measured-bytes", type=int, default=None,
                         help="a measured bytes/request to convert to bits/value and ratio (e.g. 21804032)")
-    parser.add_argument("--plan", metavar="PLAN.json", default=None, help="a calibrated plan (not wired yet)")
+    parser.add_argument("--plan", metavar="DIR", default=None,
+                        help="a calibrated plan directory (stepquant calibrate --out, e.g. "
+                             "plans/gdn/stepquant-6): adds its bytes per request, counted in the plan's "
+                             "stored format; give the plan's model with --config")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.set_defaults(func=_run_memory)

@@ -4,6 +4,7 @@ supported model type, concrete plans counted through the packed layout, and the 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -431,6 +432,35 @@ def test_cli_config(capsys, tmp_path):
     rc, out, _ = run_cli(capsys, "--config", str(tmp_path / "config.json"), "--bits", "6")
     assert rc == 0
     assert "20 linear-attention layers x 32 heads" in out and "1,474,560" in out and "6.30 bits/value" in out
+
+
+def test_cli_plan_counts_the_plans_own_format(capsys):
+    """A temporal plan (rowwise absmax) keeps row scales only: its printed serving bytes are the packed
+    pool's slot size, not the count with column scales that every plan used to get."""
+    from stepquant.calibrate import Plan
+    from stepquant.models import resolve
+    from stepquant.pool import PackedStatePool, plans_from
+
+    plans = Path(__file__).resolve().parents[1] / "plans" / "gdn"
+    model_dir = str(resolve("gdn"))
+    shape = shape_from_config(model_dir)
+    printed = {}
+    for variant in ("temporal-6", "stepquant-6"):
+        rc, out, _ = run_cli(capsys, "--config", model_dir, "--plan", str(plans / variant), "--json")
+        assert rc == 0
+        plan_row = json.loads(out)["formats"][5]
+        assert plan_row["format"].startswith(f"plan {variant}")
+        printed[variant] = plan_row["serving_bytes"]
+    temporal, stepquant = Plan.load(plans / "temporal-6"), Plan.load(plans / "stepquant-6")
+    assert not temporal.has_col_scale and stepquant.has_col_scale
+    pool = PackedStatePool(plans_from(temporal, spatial=temporal.spatial), 1, shape.value_dim)
+    assert printed["temporal-6"] == pool.bytes_per_slot == temporal.accounting()["serving_bytes"]
+    # the column scales: one FP16 per value column of every head that has integer rows (not a pivot head)
+    scaled_heads = sum(int((bits != 16).any(dim=1).sum()) for bits in temporal.bits)
+    col_scale_bytes = scaled_heads * shape.value_dim * 2
+    with_columns = plan_bytes(list(temporal.bits), shape, has_col_scale=True).serving_bytes
+    assert with_columns - printed["temporal-6"] == col_scale_bytes  # what the CLI overstated before
+    assert printed["stepquant-6"] - printed["temporal-6"] == col_scale_bytes  # same budget, same pivots
 
 
 @pytest.mark.parametrize(
