@@ -29,9 +29,10 @@ exact round trip) unless ``packed=False``, so :meth:`CompressedStateCache.state_
 a serving pool would hold (the serving count of stepquant.accounting). ``packed=False`` keeps one byte
 per code (faster on CPU; same values, since unpack(pack(q)) dequantizes to the same state).
 
-The seam for a packed GPU path is :meth:`CompressedLinearAttentionLayer.decode_step`: decode the stored
-state, one delta-rule token, re-encode, return y. Here it is the float reference built from
-stepquant.recurrence; a pool-backed layer replaces it with stepquant.kernels.decode.decode_step_packed.
+:meth:`CompressedLinearAttentionLayer.decode_step` (decode the stored state, one delta-rule token,
+re-encode, return y) is the float reference of one serving step. The serving path itself, with the
+states in a packed pool and the model's recurrent call routed to
+stepquant.kernels.decode.decode_step_packed, is stepquant.integrations.packed_cache.PackedStateCache.
 """
 
 from __future__ import annotations
@@ -235,8 +236,8 @@ class CompressedLinearAttentionLayer(LinearAttentionLayer):
         """One decode token on the stored state: decode, FP32 update, read y, re-encode; y [N, H, V].
 
         q, k [N, H_k, K] (raw; normalised here when use_qk_l2norm); v [N, H, V]; g [N, H] (GDN) or
-        [N, H, K] (KDA) log decays; beta [N, H]. This is the seam a packed GPU path replaces
-        (stepquant.kernels.decode.decode_step_packed does the same on pool slots).
+        [N, H, K] (KDA) log decays; beta [N, H]. stepquant.kernels.decode.decode_step_packed does the
+        same on pool slots (stepquant.integrations.packed_cache routes the model's decode call to it).
         """
         mode = "kda" if g.dim() == 3 else "gdn"
         b_q, b_k = prepare_qk(q, k, scale=scale, use_qk_l2norm=use_qk_l2norm, mode=mode)
@@ -332,7 +333,8 @@ class CompressedLinearAttentionLayer(LinearAttentionLayer):
         return totals
 
 
-def _model_type(config) -> str:
+def config_model_type(config) -> str:
+    """model_type of a config's text part (a multimodal Qwen3.5 config reports its text model's)."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     return getattr(text, "model_type", None) or getattr(config, "model_type", None)
 
@@ -350,7 +352,7 @@ class CompressedStateCache(DynamicCache):
     def __init__(self, config, codec=None, *, row_codecs: Sequence | None = None,
                  group_sizes: Sequence[int] | None = None, packed: bool = True):
         check_transformers_version()
-        model_type = _model_type(config)
+        model_type = config_model_type(config)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"config.model_type={model_type!r} is not supported: the compressed-state cache "
                              f"covers {', '.join(SUPPORTED_MODEL_TYPES)}")
