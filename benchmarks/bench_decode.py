@@ -46,7 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stepquant.codecs.base import PIVOT_BITS  # noqa: E402
 from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
-from stepquant.kernels.decode import fused_packed_decode, naive_packed_decode  # noqa: E402
+from stepquant.kernels.decode import PARTS, fused_packed_decode, naive_packed_decode  # noqa: E402
+from stepquant.kernels.decode.fused import work_buffer  # noqa: E402
 from stepquant.packing import unpack  # noqa: E402
 from stepquant.pool import LayerPlan, PackedLayer  # noqa: E402
 
@@ -57,7 +58,6 @@ MODELS = {
 }
 GDN_PIVOT_SHARE = 32 / 2304  # the paper's pivot heads (Qwen3.8-27B)
 KDA_PIVOT_SHARE = 512 / 81920  # the paper's pivot rows (Kimi-Linear)
-ALL_PLANES = 31  # compile every plane path once and share it between plans
 DEVICE = "cuda"
 
 
@@ -299,7 +299,9 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 inputs = token_inputs(batch, heads, key_heads, kda)
                 out = torch.empty(batch, heads, VALUE_DIM, device=DEVICE, dtype=torch.bfloat16)
                 kwargs = dict(use_qk_l2norm=True, out=out, part=part, num_warps=args.num_warps,
-                              planes=ALL_PLANES)
+                              block_rows=args.block_rows)
+                if part == "writeback":  # the split's writeback starts from the readout's u
+                    kwargs["work"] = torch.zeros_like(work_buffer(layer, batch))
                 call = lambda s, layer=layer, x=inputs, kw=kwargs: fused_packed_decode(layer, s, *x, **kw)
                 step = rotating(call, slot_groups(layer.num_slots // batch, batch))
                 # every part reads the slots and the token's inputs; readout writes y, writeback the slots
@@ -314,23 +316,30 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                     log(traceback.format_exc())
                     continue
                 rec.add(name, variant, bits, batch, ms, moved, part=part, num_warps=args.num_warps,
+                        block_rows=args.block_rows,
                         bits_per_value=slot_bytes * 8 / (heads * KEY_DIM * VALUE_DIM))
             del layer
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-    if args.sweep_warps:  # other num_warps at the largest batch
+    if args.sweep:  # tuning: (num_warps, block_rows) per part at the largest batch
         layer = make_layer(synthetic_plan(name, args.sweep_bits, heads), "dual_axis", 2 * max_batch)
         inputs = token_inputs(max_batch, heads, key_heads, kda)
-        moved = 2 * max_batch * layer.bytes_per_slot + input_bytes(*inputs)
-        for nw in args.sweep_warps:
-            kwargs = dict(use_qk_l2norm=True, num_warps=nw, planes=ALL_PLANES)
-            step = rotating(lambda s, x=inputs, kw=kwargs: fused_packed_decode(layer, s, *x, **kw),
-                            slot_groups(2, max_batch))
-            try:
-                rec.add(name, f"stepquant fused nw={nw}", args.sweep_bits, max_batch,
-                        bench(step, args.warmup, args.rep), moved, num_warps=nw, sweep=True)
-            except Exception as err:
-                log(f"  num_warps={nw} failed: {err!r}")
+        for config in args.sweep:
+            nw, rows = (int(x) for x in config.split(":"))
+            for part in args.sweep_parts:
+                passes = 1 if part == "readout" else 2
+                moved = passes * max_batch * layer.bytes_per_slot + input_bytes(*inputs)
+                kwargs = dict(use_qk_l2norm=True, num_warps=nw, block_rows=rows, part=part)
+                if part == "writeback":
+                    kwargs["work"] = torch.zeros_like(work_buffer(layer, max_batch))
+                step = rotating(lambda s, x=inputs, kw=kwargs: fused_packed_decode(layer, s, *x, **kw),
+                                slot_groups(2, max_batch))
+                try:
+                    rec.add(name, f"sweep {part} nw={nw} rows={rows}", args.sweep_bits, max_batch,
+                            bench(step, args.warmup, args.rep), moved, num_warps=nw, block_rows=rows,
+                            part=part, sweep=True)
+                except Exception as err:
+                    log(f"  {part} num_warps={nw} block_rows={rows} failed: {err!r}")
 
 
 def check(name: str, spec: dict) -> dict:
@@ -344,7 +353,7 @@ def check(name: str, spec: dict) -> dict:
     inputs = token_inputs(4, heads, key_heads, kda, seed=1)
     y = torch.zeros(4, heads, VALUE_DIM, device=DEVICE)  # FP32 outputs: no BF16 rounding in the check
     y_ref = torch.zeros_like(y)
-    fused_packed_decode(layer, slots, *inputs, use_qk_l2norm=True, out=y, planes=ALL_PLANES)
+    fused_packed_decode(layer, slots, *inputs, use_qk_l2norm=True, out=y)
     naive_packed_decode(twin, slots, *inputs, use_qk_l2norm=True, out=y_ref)
     rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
     index = torch.tensor([5, 0, 3])
@@ -399,9 +408,12 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="32,64,128,256,512", help="comma list of batch sizes")
     parser.add_argument("--bits", default="4,6,8", help="comma list of nominal bit budgets")
     parser.add_argument("--split-bits", default="6", help="budgets also timed split and without refit")
-    parser.add_argument("--num-warps", type=int, default=8, help="warps per program of our kernel")
-    parser.add_argument("--sweep-warps", default="16", help="other num_warps values timed at the largest B")
-    parser.add_argument("--sweep-bits", type=int, default=6, help="budget of the num_warps sweep")
+    parser.add_argument("--num-warps", type=int, default=None, help="warps per program (default: kernel's)")
+    parser.add_argument("--block-rows", type=int, default=None, help="key rows per tile (default: kernel's)")
+    parser.add_argument("--sweep", default="2:16,4:16,4:32,8:32,8:64",
+                        help="num_warps:block_rows pairs timed per part at the largest B ('' skips)")
+    parser.add_argument("--sweep-bits", type=int, default=6, help="budget of the sweep")
+    parser.add_argument("--sweep-parts", default=",".join(PARTS), help="parts timed in the sweep")
     parser.add_argument("--warmup", type=int, default=10, help="do_bench warm-up time (ms)")
     parser.add_argument("--rep", type=int, default=40, help="do_bench measuring time (ms)")
     parser.add_argument("--no-fla", action="store_true", help="skip the fla baselines")
@@ -411,13 +423,14 @@ def main(argv=None) -> int:
     ints = lambda s: [int(x) for x in s.split(",") if x]
     args.models = [m for m in args.models.split(",") if m]
     args.batches, args.bits, args.split_bits = ints(args.batches), ints(args.bits), ints(args.split_bits)
-    args.sweep_warps = ints(args.sweep_warps)
+    args.sweep = [c for c in args.sweep.split(",") if c]
+    args.sweep_parts = [p for p in args.sweep_parts.split(",") if p]
     models = {m: dict(MODELS[m]) for m in args.models}
     if args.quick:
-        args.batches, args.bits, args.sweep_warps = [32, 512], [6], []
+        args.batches, args.bits, args.sweep = [32, 512], [6], []
     if args.dry_run:  # every code path, tiny: 2 heads of 16 x 16, two batch sizes
         DEVICE, KEY_DIM, VALUE_DIM = "cpu", 16, 16
-        args.batches, args.bits, args.sweep_warps, args.no_fla = [2, 3], [6], [8], True
+        args.batches, args.bits, args.sweep, args.no_fla = [2, 3], [6], ["2:8"], True
         for spec in models.values():
             spec.update(heads=2, key_heads=1 if not spec["kda"] else 2)
     elif not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":

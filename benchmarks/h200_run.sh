@@ -2,7 +2,8 @@
 # The GPU check and decode benchmark in one call (H200, no internet): installs the wheels carried under
 # .whl/ (fla-core), prints versions, runs the GPU kernel tests, runs the benchmark, and leaves logs and
 # results in $OUT (default benchmarks/results): env.txt, gpu_tests.log, bench.log, bench_decode.json,
-# bench_decode.md. Prints the benchmark's table and JSON line last.
+# bench_decode.md, ncu.txt (counters of one readout, writeback and fused launch; NO_NCU=1 skips).
+# Prints the benchmark's table and JSON line last.
 #
 #   OUT=/some/dir bash benchmarks/h200_run.sh          (BENCH_ARGS=--quick for a shorter benchmark)
 set -uo pipefail
@@ -36,15 +37,23 @@ EOF
 cat "$OUT/env.txt"
 
 echo "== GPU kernel tests (pytest -m gpu tests/test_kernels.py)"
-timeout 120 python3 -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider -x > "$OUT/gpu_tests.log" 2>&1
+timeout 180 python3 -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider -x > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $? (log: $OUT/gpu_tests.log)"
 tail -n 5 "$OUT/gpu_tests.log"
 
 echo "== decode benchmark"
-timeout 220 python3 benchmarks/bench_decode.py --out "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.log" | tee -a "$OUT/bench.log"
+timeout ${BENCH_TIMEOUT:-280} python3 benchmarks/bench_decode.py --out "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.log" | tee -a "$OUT/bench.log"
 status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ]; then
     echo "bench_decode.py exit $status; last log lines:"
     tail -n 25 "$OUT/bench.log"
+fi
+
+if command -v ncu > /dev/null && [ -z "${NO_NCU:-}" ]; then
+    echo "== ncu: readout, writeback and fused launches at B = 512 (benchmarks/ncu_step.py)"
+    timeout 150 ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+        --section WarpStateStats --section SchedulerStats -k regex:packed_step_kernel --launch-skip 3 \
+        --launch-count 3 python3 benchmarks/ncu_step.py > "$OUT/ncu.txt" 2>&1
+    echo "ncu exit $? (report: $OUT/ncu.txt)"
 fi
 exit "$status"

@@ -30,20 +30,21 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from stepquant.kernels.decode.fused import fused_packed_step_kernel  # noqa: E402
+from stepquant.kernels.decode.fused import packed_step_kernel  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", y="*bf16", x_in="*fp32",
                 slots="*i32", codes="*i32", row_scale="*fp16", col_scale="*fp16", plan_rows="*i32",
                 plan_heads="*i32", plan_winv="*fp32", plan_w2="*fp32", plan_gain="*fp32", dbg_x="*fp32",
-                dbg_c="*fp32", scale="fp32", slot_stride="i32", num_scaled="i32")
-BASE = dict(WORD_ALIGN=4, PLANES=6, H=48, HQ=16, K=128, V=128, BK=128, BV=128, IS_KDA=False,
-            USE_UPDATE=True, STORE_Y=True, WRITEBACK=True, USE_QK_L2NORM=True, USE_DUAL_AXIS=True,
-            IS_RMS=False, IS_MIDRISE=True, REFIT_ITERS=1, STORE_DEBUG=False, APPROX_RCP=True)
+                work="*fp32", dbg_c="*fp32", scale="fp32", slot_stride="i32", num_scaled="i32")
+BASE = dict(WORD_ALIGN=4, PLANES=6, H=48, HQ=16, K=128, V=128, BK=128, BV=128, BKB=16, IS_KDA=False,
+            USE_UPDATE=True, READOUT=True, STORE_Y=True, STORE_U=False, WRITEBACK=True, USE_QK_L2NORM=True,
+            USE_DUAL_AXIS=True, IS_RMS=True, IS_MIDRISE=True, REFIT_ITERS=2, STORE_DEBUG=False,
+            APPROX_RCP=True)
 VARIANTS = {  # name: (constexpr overrides, what it is)
-    "fused": ({}, "GDN head of 6 bits (planes 4+2), dual-axis, 1 refit"),
-    "readout": (dict(WRITEBACK=False), "split: readout only"),
-    "writeback": (dict(STORE_Y=False), "split: requantize + write back only"),
+    "fused": ({}, "GDN head of 6 bits (planes 4+2), dual-axis, 2 refits (the default codec)"),
+    "readout": (dict(WRITEBACK=False, STORE_U=True), "split: readout only"),
+    "writeback": (dict(READOUT=False, STORE_Y=False), "split: requantize + write back only"),
     "no-refit": (dict(REFIT_ITERS=0), "dual-axis without the column refit"),
     "absmax": (dict(USE_DUAL_AXIS=False, IS_MIDRISE=False), "rowwise absmax INT6"),
     "4bit": (dict(PLANES=4), "GDN head of 4 bits (one plane)"),
@@ -52,12 +53,12 @@ VARIANTS = {  # name: (constexpr overrides, what it is)
 }
 
 
-def compile_variant(overrides: dict, num_warps: int, workdir: Path):
-    constexprs = dict(BASE, **overrides)
-    params = list(inspect.signature(fused_packed_step_kernel.fn).parameters)
+def compile_variant(overrides: dict, num_warps: int, workdir: Path, block_rows: int):
+    constexprs = dict(BASE, BKB=block_rows, **overrides)
+    params = list(inspect.signature(packed_step_kernel.fn).parameters)
     signature = {p: POINTERS.get(p, "constexpr") for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if signature[p].startswith("*")}
-    src = ASTSource(fn=fused_packed_step_kernel, signature=signature,
+    src = ASTSource(fn=packed_step_kernel, signature=signature,
                     constexprs={k: v for k, v in constexprs.items() if k in params}, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=num_warps, enable_fp_fusion=True))
@@ -66,7 +67,7 @@ def compile_variant(overrides: dict, num_warps: int, workdir: Path):
     return compiled, cubin
 
 
-def profile(compiled, cubin: Path, num_warps: int) -> dict:
+def profile(compiled, cubin: Path, num_warps: int, block_rows: int) -> dict:
     tool = lambda *flags: subprocess.run([str(BIN / "cuobjdump"), *flags, str(cubin)], capture_output=True,
                                          text=True).stdout
     sass, usage = tool("-sass"), tool("-res-usage")
@@ -75,7 +76,9 @@ def profile(compiled, cubin: Path, num_warps: int) -> dict:
     main = ins[:last_exit + 1]
     ops = collections.Counter(re.sub(r"^@!?U?P\w+\s+", "", s).split()[0].split(".")[0] for s in main)
     slow_calls = sum(1 for s in main if "CALL.REL" in s)
-    per_thread = 128 * 128 / (num_warps * 32)
+    # values per thread per row block: the loops run once per block, so a static count over this is the
+    # per-value cost of the loop bodies (the once-per-head prologue is overcounted by K / BKB)
+    per_thread = block_rows * 128 / (num_warps * 32)
     count = sum(ops.values()) - ops["NOP"] - 4 * slow_calls  # a slow-path call site: ~4 untaken instructions
     regs = re.search(r"REG:(\d+)", usage)
     stack = re.search(r"STACK:(\d+)", usage)
@@ -87,7 +90,7 @@ def profile(compiled, cubin: Path, num_warps: int) -> dict:
 def line_profile(cubin: Path, per_thread: float, limit: int) -> list[str]:
     out = subprocess.run([str(BIN / "nvdisasm"), "--print-line-info", str(cubin)], capture_output=True,
                          text=True).stdout
-    source = Path(inspect.getsourcefile(fused_packed_step_kernel.fn)).read_text().splitlines()
+    source = Path(inspect.getsourcefile(packed_step_kernel.fn)).read_text().splitlines()
     where, counts = None, collections.Counter()
     for line in out.splitlines():
         found = re.search(r'//## File "([^"]+)", line (\d+)', line)
@@ -105,15 +108,16 @@ def line_profile(cubin: Path, per_thread: float, limit: int) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variant", action="append", choices=list(VARIANTS), help="default: all")
-    parser.add_argument("--num-warps", type=int, default=8)
+    parser.add_argument("--num-warps", type=int, default=4)
+    parser.add_argument("--block-rows", type=int, default=16, help="key rows per tile (BKB)")
     parser.add_argument("--lines", type=int, default=0, help="also attribute N hottest source lines")
     args = parser.parse_args(argv)
     print(f"{'variant':16s} {'regs':>4s} {'spill':>5s} {'smem':>6s} {'bar':>4s} {'SASS/value':>10s}  "
           "top ops per value")
     for name in args.variant or list(VARIANTS):
         with tempfile.TemporaryDirectory() as tmp:
-            compiled, cubin = compile_variant(VARIANTS[name][0], args.num_warps, Path(tmp))
-            p = profile(compiled, cubin, args.num_warps)
+            compiled, cubin = compile_variant(VARIANTS[name][0], args.num_warps, Path(tmp), args.block_rows)
+            p = profile(compiled, cubin, args.num_warps, args.block_rows)
             top = " ".join(f"{op}:{n / p['per_thread']:.1f}" for op, n in p["top"] if op != "NOP")
             print(f"{name:16s} {p['regs']:4d} {p['stack']:5d} {p['smem']:6d} {p['barriers']:4d} "
                   f"{p['per_value']:10.1f}  {top}   ({VARIANTS[name][1]})")

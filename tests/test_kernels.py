@@ -39,6 +39,7 @@ from stepquant.kernels.decode import (
     naive_pack_states,
     naive_packed_decode,
 )
+from stepquant.kernels.decode.fused import work_buffer
 from stepquant.kernels.prefill import prefill_packed
 from stepquant.packing import pack, unpack
 from stepquant.pool import LayerPlan, PackedLayer
@@ -117,8 +118,12 @@ def requantize_with(layer: PackedLayer, x: torch.Tensor, row_scale: torch.Tensor
 
 
 def check_against_codec(kernel: PackedLayer, ref: PackedLayer, slots: list[int], x: torch.Tensor,
-                        col_code: torch.Tensor, exact_scales: bool) -> None:
-    """The policy of the module docstring for the slots both layers wrote from the same X."""
+                        col_code: torch.Tensor, exact_scales: bool, far_share: float = 0.0) -> None:
+    """The policy of the module docstring for the slots both layers wrote from the same X.
+
+    far_share: the share of refitted column scales allowed to differ by more than SCALE_RTOL (GPU
+    tests at real shapes: a code on a rounding tie that flips with the summation order moves the next
+    refit, so over ~10^5 columns a handful can land a few FP16 steps away; codes are still exact)."""
     index = torch.tensor(slots)
     got, want = unpack(kernel.gather(index)), unpack(ref.gather(index))
     if exact_scales:
@@ -130,7 +135,8 @@ def check_against_codec(kernel: PackedLayer, ref: PackedLayer, slots: list[int],
     # row scales come from an order-independent statistic (absmax) or an FP32 sum (rms)
     torch.testing.assert_close(got.row_scale.float(), want.row_scale.float(), rtol=SCALE_RTOL, atol=0)
     if want.col_scale is not None:
-        torch.testing.assert_close(got.col_scale.float(), want.col_scale.float(), rtol=SCALE_RTOL, atol=0)
+        near = (got.col_scale.float() - want.col_scale.float()).abs() <= SCALE_RTOL * want.col_scale.float()
+        assert 1.0 - near.float().mean().item() <= far_share, f"{int((~near).sum())} column scales differ"
     # codes exactly, given the kernel's X and scales
     again = requantize_with(kernel, x, got.row_scale, None if want.col_scale is None else col_code)
     is_int = (kernel.plan.bits != PIVOT_BITS).to(x.device)[None, :, :, None]
@@ -253,18 +259,32 @@ def test_split_readout_then_writeback_equals_fused(kda):
     fused = make_layer(bits, value_dim=20, num_slots=3)
     slots = torch.tensor([1, -1, 2], dtype=torch.int32)
     naive_pack_states(fused, torch.arange(3), torch.randn(3, 2, 24, 20).to(DEVICE))
-    split = clone_layer(fused)
+    split, before_layer = clone_layer(fused), clone_layer(fused)
     q, k, v, g, beta = token_inputs(3, 2, 1, 24, 20, kda, seed=15)
     y_fused = fused_packed_decode(fused, slots, q, k, v, g, beta, use_qk_l2norm=True)
     y = torch.full_like(y_fused, float("nan"))
     before = [t.clone() for t in split.tensors()]
     fused_packed_decode(split, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, part="readout")
     assert all(torch.equal(a, b) for a, b in zip(before, split.tensors(), strict=True))
-    assert torch.equal(y[[0, 2]], y_fused[[0, 2]]) and torch.isnan(y[1]).all()
+    # the readout tiles the key rows differently (it is tuned on its own), so y agrees to rounding
+    assert rel_rms(y[[0, 2]], y_fused[[0, 2]]) < 1e-6 and torch.isnan(y[1]).all()
     y_before = y.clone()
     fused_packed_decode(split, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, part="writeback")
     assert torch.equal(y[[0, 2]], y_before[[0, 2]]) and torch.isnan(y[1]).all()
+    # a writeback without the readout's work buffer recomputes the update exactly as the fused kernel
     assert all(torch.equal(a, b) for a, b in zip(fused.tensors(), split.tensors(), strict=True))
+    # the paper's split: the writeback starts from the u the readout left in the work buffer
+    paired = clone_layer(before_layer)
+    work = work_buffer(paired, 3)
+    y_paired = fused_packed_decode(paired, slots, q, k, v, g, beta, use_qk_l2norm=True, part="readout",
+                                   work=work)
+    fused_packed_decode(paired, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y_paired, part="writeback",
+                        work=work)
+    assert torch.equal(y_paired[[0, 2]], y_before[[0, 2]])
+    index = torch.tensor([1, 2])
+    got, want = unpack(paired.gather(index)).dequantize(), unpack(fused.gather(index)).dequantize()
+    assert rel_rms(got, want) < 1e-4  # equal up to codes on rounding ties
+    assert torch.equal(paired.codes[0], fused.codes[0])  # the skipped row's slot is untouched
     with pytest.raises(ValueError, match="part"):
         fused_packed_decode(split, slots, q, k, v, g, beta, part="both")
 
@@ -335,7 +355,7 @@ def _gpu_case(heads, key_heads, kda, num_rows, bits, spatial="dual_axis"):
     assert rel_rms(debug["x"][active], debug_ref["x"]) < 1e-5
     assert rel_rms(y[active], y_ref[active]) < 1e-5
     check_against_codec(layer, ref, slots[active].tolist(), debug["x"][active], debug["c"][active],
-                        exact_scales=False)
+                        exact_scales=False, far_share=1e-3)
 
 
 @pytest.mark.gpu

@@ -137,7 +137,141 @@ def _store_plane(p_slot, b_code, o_plane, m_plane, o_p, o_m, m_m, i_one, W: tl.c
 
 
 @triton.jit
-def fused_packed_step_kernel(
+def _row_block(plan_rows, i_h, kb, K: tl.constexpr, BKB: tl.constexpr, IS_MIDRISE: tl.constexpr):
+    # the plan of key rows [kb * BKB, (kb + 1) * BKB) of head i_h: per row its bits, first word, grid
+    o_r = kb * BKB + tl.arange(0, BKB)  # [BKB]
+    m_r = o_r < K
+    b_row = tl.load(plan_rows + i_h * K + o_r, mask=m_r, other=0)
+    b_bits = b_row & 31
+    b_roff = b_row >> 5
+    m_int = m_r & (b_bits > 0) & (b_bits <= 8)
+    # pivot and padded rows use a placeholder width: their codes are computed but never stored
+    b_half = ((tl.where(m_int, b_bits, 8) + 126) << 23).to(tl.float32, bitcast=True)  # 2^(b-1) from its bits
+    b_hi = b_half + b_half - 1.0  # top code 2^b - 1
+    if IS_MIDRISE:
+        b_zero = b_half - 0.5  # the code of level 0 lies between two codes
+        b_lo = tl.zeros([BKB], dtype=tl.float32)
+    else:
+        b_zero = b_half
+        b_lo = tl.full([BKB], 1.0, dtype=tl.float32)
+    return o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi
+
+
+@triton.jit
+def _plane_offsets(b_bits, b_roff, V: tl.constexpr):
+    # planes are laid out widest first; a row has at most one of the 16, 8, 4 planes and the widest
+    # plane starts the row; the 2- and 1-bit planes follow the wider planes present in that row
+    o_p2 = b_roff + tl.where((b_bits & 4) != 0, (V * 4 + 31) // 32, 0)
+    o_p1 = o_p2 + tl.where((b_bits & 2) != 0, (V * 2 + 31) // 32, 0)
+    return o_p2, o_p1
+
+
+@triton.jit
+def _wide_ptrs(p_slot, b_roff, o_j, WORD_ALIGN: tl.constexpr):
+    # per-value planes (bytes, halves): 8 contiguous values per thread; rows start on WORD_ALIGN-word
+    # boundaries, which the hint tells the compiler so it vectorizes these accesses
+    o_a8 = tl.multiple_of(b_roff * 4, WORD_ALIGN * 4)
+    o_a16 = tl.multiple_of(b_roff * 2, WORD_ALIGN * 2)
+    p_c8 = p_slot.to(tl.pointer_type(tl.uint8)) + o_a8[None, :, None] + o_j[:, None, :]  # [8, BKB, NM]
+    p_c16 = p_slot.to(tl.pointer_type(tl.float16)) + o_a16[None, :, None] + o_j[:, None, :]
+    return p_c8, p_c16
+
+
+@triton.jit
+def _unpack_block(p_slot, b_bits, b_roff, o_p, o_m, o_j, m_m, m_j, i_one, i_planes,
+                  PLANES: tl.constexpr, V: tl.constexpr, WORD_ALIGN: tl.constexpr, BKB: tl.constexpr,
+                  NM: tl.constexpr):
+    # 2 * code of every value of a row block [8, BKB, NM] (pivot rows: 0), see MAGIC_LEVEL
+    o_p2, o_p1 = _plane_offsets(b_bits, b_roff, V)
+    b_code = tl.zeros([8, BKB, NM], dtype=tl.int32)
+    if PLANES & 8:
+        if (i_planes & 8) != 0:
+            p_c8, _ = _wide_ptrs(p_slot, b_roff, o_j, WORD_ALIGN)
+            m_p8 = (b_bits & 8) != 0
+            b_code = tl.load(p_c8, mask=m_p8[None, :, None] & m_j[:, None, :], other=0).to(tl.int32) << 1
+    if PLANES & 4:
+        if (i_planes & 4) != 0:
+            b_code |= _load_plane(p_slot, b_roff, (b_bits & 4) != 0, o_p, o_m, m_m, i_one, 4)
+    if PLANES & 2:
+        if (i_planes & 2) != 0:
+            b_code |= _load_plane(p_slot, o_p2, (b_bits & 2) != 0, o_p, o_m, m_m, i_one, 2) << (
+                b_bits & ~3)[None, :, None]
+    if PLANES & 1:
+        if (i_planes & 1) != 0:
+            b_code |= _load_plane(p_slot, o_p1, (b_bits & 1) != 0, o_p, o_m, m_m, i_one, 1) << (
+                b_bits & ~1)[None, :, None]
+    return b_code
+
+
+@triton.jit
+def _pack_block(p_slot, b_u, b_x, b_bits, b_roff, o_p, o_m, o_j, m_m, m_j, i_one, i_planes,
+                PLANES: tl.constexpr, V: tl.constexpr, WORD_ALIGN: tl.constexpr):
+    # store the float codes b_u [8, BKB, NM] plane by plane, and fp16(clamp(X)) of the pivot rows
+    o_p2, o_p1 = _plane_offsets(b_bits, b_roff, V)
+    p_c8, p_c16 = _wide_ptrs(p_slot, b_roff, o_j, WORD_ALIGN)
+    b_code = (b_u + MAGIC_CODE).to(tl.int32, bitcast=True)  # low mantissa bits: the code
+    if V % 8 != 0:
+        # the last chunk's values past V are padding and must stay zero bits
+        b_code = tl.where(m_j[:, None, :], b_code, 0)
+    if PLANES & 8:
+        if (i_planes & 8) != 0:
+            tl.store(p_c8, b_code.to(tl.uint8), mask=((b_bits & 8) != 0)[None, :, None] & m_j[:, None, :])
+    if PLANES & 4:
+        if (i_planes & 4) != 0:
+            _store_plane(p_slot, b_code, b_roff, (b_bits & 4) != 0, o_p, o_m, m_m, i_one, 4)
+    if PLANES & 2:
+        if (i_planes & 2) != 0:
+            _store_plane(p_slot, b_code >> (b_bits & ~3)[None, :, None], o_p2, (b_bits & 2) != 0, o_p, o_m,
+                         m_m, i_one, 2)
+    if PLANES & 1:
+        if (i_planes & 1) != 0:
+            _store_plane(p_slot, b_code >> (b_bits & ~1)[None, :, None], o_p1, (b_bits & 1) != 0, o_p, o_m,
+                         m_m, i_one, 1)
+    if PLANES & 16:
+        if (i_planes & 16) != 0:
+            b_pv = tl.minimum(tl.maximum(b_x, -FP16_SCALE_MAX), FP16_SCALE_MAX).to(tl.float16)
+            tl.store(p_c16, b_pv, mask=((b_bits & 16) != 0)[None, :, None] & m_j[:, None, :])
+
+
+@triton.jit
+def _state_block(p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
+                 i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j,
+                 H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr,
+                 NM: tl.constexpr, PLANES: tl.constexpr, WORD_ALIGN: tl.constexpr, IS_KDA: tl.constexpr,
+                 IS_MIDRISE: tl.constexpr, USE_UPDATE: tl.constexpr):
+    # one row block of the state. USE_UPDATE: levels z, the per-row factor a = r e^g of the decayed
+    # state D S = diag(a) Z diag(c) (pivot rows: z = value / c, a = e^g), the row-block of normalised k,
+    # and X = D S + k u^T. Otherwise X is the float state x_in (boundary pack).
+    o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi = _row_block(plan_rows, i_h, kb, K, BKB, IS_MIDRISE)
+    if USE_UPDATE:
+        b_code = _unpack_block(p_slot, b_bits, b_roff, o_p, o_m, o_j, m_m, m_j, i_one, i_planes,
+                               PLANES, V, WORD_ALIGN, BKB, NM)
+        # bits((2u) | 0x4A800000) = 2^22 + u, so a level is one subtraction (exact for half-integer zeros)
+        b_lvl = (b_code | 0x4A800000).to(tl.float32, bitcast=True) - (b_zero + MAGIC_LEVEL)[None, :, None]
+        if PLANES & 16:
+            if (i_planes & 16) != 0:
+                m_pv = (b_bits & 16) != 0
+                _, p_c16 = _wide_ptrs(p_slot, b_roff, o_j, WORD_ALIGN)
+                b_pv = tl.load(p_c16, mask=m_pv[None, :, None] & m_j[:, None, :], other=0).to(tl.float32)
+                b_lvl = tl.where(m_pv[None, :, None], b_pv * b_rc[:, None, :], b_lvl)
+        # old row scales: 1 for pivot rows and heads without scales, 0 for padded rows
+        b_r = tl.load(p_rs + o_r, mask=m_int & ((o_r * 0 + i_hs) >= 0), other=1.0).to(tl.float32)
+        if IS_KDA:
+            b_eg = tl.exp(tl.load(g + (i_n * H + i_h) * K + o_r, mask=m_r, other=0).to(tl.float32))
+        b_a = tl.where(m_r, b_r * b_eg, 0.0)  # [BKB]
+        i_hq = i_h // (H // HQ)
+        b_k = tl.load(k + (i_n * HQ + i_hq) * K + o_r, mask=m_r, other=0).to(tl.float32) * f_k
+        b_x = tl.fma(b_lvl * b_a[None, :, None], b_c3, b_k[None, :, None] * b_u3)
+    else:
+        b_lvl = tl.zeros([8, BKB, NM], dtype=tl.float32)
+        b_a = tl.zeros([BKB], dtype=tl.float32)
+        p_x = x_in + ((i_n * H + i_h) * K + o_r[None, :, None]) * V + o_j[:, None, :]
+        b_x = tl.load(p_x, mask=m_r[None, :, None] & m_j[:, None, :], other=0).to(tl.float32)
+    return b_x, b_lvl, b_a, o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi
+
+
+@triton.jit
+def packed_step_kernel(
     q,
     k,
     v,
@@ -154,6 +288,7 @@ def fused_packed_step_kernel(
     plan_winv,
     plan_w2,
     plan_gain,
+    work,
     dbg_x,
     dbg_c,
     scale,
@@ -167,9 +302,12 @@ def fused_packed_step_kernel(
     V: tl.constexpr,
     BK: tl.constexpr,
     BV: tl.constexpr,
+    BKB: tl.constexpr,
     IS_KDA: tl.constexpr,
     USE_UPDATE: tl.constexpr,
+    READOUT: tl.constexpr,
     STORE_Y: tl.constexpr,
+    STORE_U: tl.constexpr,
     WRITEBACK: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     USE_DUAL_AXIS: tl.constexpr,
@@ -185,216 +323,159 @@ def fused_packed_step_kernel(
         # a free batch row: leave its output and every slot untouched
         return
     NM: tl.constexpr = BV // 8
-    o_k = tl.arange(0, BK)
+    NKB: tl.constexpr = (K + BKB - 1) // BKB
     o_p = tl.arange(0, 8)
     o_m = tl.arange(0, NM)
     o_j = o_m[None, :] * 8 + o_p[:, None]  # [8, NM] value column of tile element (p, i, m)
-    m_k = o_k < K
     m_j = o_j < V
     m_m = o_m * 8 < V
-    m_x = m_j[:, None, :] & m_k[None, :, None]  # [8, BK, NM]
 
-    # the plan of this head: first word << 5 | bit width of every key row, and per head its scale
-    # slot (-1: no scales) and the plane widths its rows use
-    b_row = tl.load(plan_rows + i_h * K + o_k, mask=m_k, other=0)  # [BK]
-    b_bits = b_row & 31
-    b_roff = b_row >> 5
+    # the head: its scale slot (-1: no scales) and flags (plane widths used | 32: one integer width)
     i_hs = tl.load(plan_heads + i_h * 2)
-    i_flags = tl.load(plan_heads + i_h * 2 + 1)  # plane widths used | 32 if all rows share one integer width
+    i_flags = tl.load(plan_heads + i_h * 2 + 1)
     i_planes = i_flags & 31
     i_one = (i_flags >> 16) + 1  # flags are < 2^16: a 1 only known at run time (see _chunk_ptr)
-    m_int = m_k & (b_bits > 0) & (b_bits <= 8)
-    # pivot and padded rows use a placeholder width: their codes are computed but never stored
-    b_nb = tl.where(m_int, b_bits, 8)
-    b_half = ((b_nb + 126) << 23).to(tl.float32, bitcast=True)  # [BK] 2^(b-1), built from its bits
-    b_hi = b_half + b_half - 1.0  # top code 2^b - 1
-    if IS_MIDRISE:
-        b_zero = b_half - 0.5  # the code of level 0 lies between two codes
-        b_lo = tl.zeros([BK], dtype=tl.float32)
-    else:
-        b_zero = b_half
-        b_lo = tl.full([BK], 1.0, dtype=tl.float32)
-    # planes are laid out widest first; a plane starts after the wider planes present in its row
-    m_p16 = (b_bits & 16) != 0
-    m_p8 = (b_bits & 8) != 0
-    m_p4 = (b_bits & 4) != 0
-    m_p2 = (b_bits & 2) != 0
-    m_p1 = (b_bits & 1) != 0
-    # a row has at most one of the 16, 8, 4 planes, and the widest plane starts the row
-    o_p16 = b_roff
-    o_p8 = b_roff
-    o_p4 = b_roff
-    o_p2 = b_roff + tl.where(m_p4, (V * 4 + 31) // 32, 0)
-    o_p1 = o_p2 + tl.where(m_p2, (V * 2 + 31) // 32, 0)
-    s_p2 = b_bits & ~3
-    s_p1 = b_bits & ~1
-    # head-uniform plane presence, so a GDN head only touches its own planes
-    any16 = (i_planes & 16) != 0
-    any8 = (i_planes & 8) != 0
-    any4 = (i_planes & 4) != 0
-    any2 = (i_planes & 2) != 0
-    any1 = (i_planes & 1) != 0
     p_slot = codes + i_s * slot_stride * WORD_ALIGN
-    # per-value planes (bytes, halves) are read as 8 contiguous values per thread: tell the compiler
-    # rows start on WORD_ALIGN-word boundaries so it vectorizes; the chunk planes keep unhinted row
-    # offsets so their [BK, NM] accesses take the tile's own thread layout (no shared-memory shuffle)
-    o_a8 = tl.multiple_of(o_p8 * 4, WORD_ALIGN * 4)
-    o_a16 = tl.multiple_of(o_p16 * 2, WORD_ALIGN * 2)
-    p_c8 = p_slot.to(tl.pointer_type(tl.uint8)) + o_a8[None, :, None] + o_j[:, None, :]
-    p_c16 = p_slot.to(tl.pointer_type(tl.float16)) + o_a16[None, :, None] + o_j[:, None, :]
-    p_rs = row_scale + (i_s * num_scaled + i_hs) * K + o_k
-    p_cs = col_scale + (i_s * num_scaled + i_hs) * V + o_j
+    p_rs = row_scale + (i_s * num_scaled + i_hs) * K  # + row
+    p_cs = col_scale + (i_s * num_scaled + i_hs) * V + o_j  # [8, NM]
+    p_work = work + (i_n * H + i_h) * (BK + BV)  # new row scales [BK], then u [BV]
 
+    b_c = tl.full([8, NM], 1.0, dtype=tl.float32)  # old column scales (1: none)
+    b_u = tl.zeros([8, NM], dtype=tl.float32)
+    b_eg = 1.0
+    f_k = 1.0
     if USE_UPDATE:
-        # ---- dequantize: codes -> levels -> S = diag(r) Z diag(c) (pivot rows: FP16 values)
-        b_code = tl.zeros([8, BK, NM], dtype=tl.int32)
-        if PLANES & 8:
-            if any8:
-                b_code = tl.load(p_c8, mask=m_p8[None, :, None] & m_j[:, None, :], other=0).to(tl.int32) << 1
-        if PLANES & 4:
-            if any4:
-                b_code |= _load_plane(p_slot, o_p4, m_p4, o_p, o_m, m_m, i_one, 4)
-        if PLANES & 2:
-            if any2:
-                b_code |= _load_plane(p_slot, o_p2, m_p2, o_p, o_m, m_m, i_one, 2) << s_p2[None, :, None]
-        if PLANES & 1:
-            if any1:
-                b_code |= _load_plane(p_slot, o_p1, m_p1, o_p, o_m, m_m, i_one, 1) << s_p1[None, :, None]
-        b_lvl = (b_code | 0x4A800000).to(tl.float32, bitcast=True) - (b_zero + MAGIC_LEVEL)[None, :, None]
-        if i_hs >= 0:
-            b_r = tl.load(p_rs, mask=m_int, other=0).to(tl.float32)  # [BK]
-            if USE_DUAL_AXIS:
-                b_c = tl.load(p_cs, mask=m_j, other=0).to(tl.float32)  # [8, NM]
-            else:
-                b_c = tl.where(m_j, 1.0, 0.0)
-        else:
-            b_r = tl.zeros([BK], dtype=tl.float32)
-            b_c = tl.zeros([8, NM], dtype=tl.float32)
-        # gate folded into the row factor: D S = diag(exp(g) r) Z diag(c)
-        if IS_KDA:
-            b_eg = tl.exp(tl.load(g + (i_n * H + i_h) * K + o_k, mask=m_k, other=0).to(tl.float32))
-        else:
-            b_eg = tl.exp(tl.load(g + i_n * H + i_h).to(tl.float32)) + tl.zeros([BK], dtype=tl.float32)
-        b_h = b_lvl * ((b_r * b_eg)[None, :, None] * b_c[:, None, :])  # [8, BK, NM] decayed state D S
-        if PLANES & 16:
-            if any16:
-                b_pv = tl.load(p_c16, mask=m_p16[None, :, None] & m_j[:, None, :], other=0).to(tl.float32)
-                b_h = tl.where(m_p16[None, :, None], b_pv * b_eg[None, :, None], b_h)
-
-        # ---- delta update and readout (fla fused_recurrent order; value head h reads q/k head h // G)
+        if USE_DUAL_AXIS:
+            b_c = tl.load(p_cs, mask=m_j & ((o_j * 0 + i_hs) >= 0), other=1.0).to(tl.float32)
+        if not IS_KDA:
+            b_eg = tl.exp(tl.load(g + i_n * H + i_h).to(tl.float32))
+        # |q|^2, |k|^2 and q . k of the head's q/k head (value head h reads q/k head h // (H / HQ))
         i_hq = i_h // (H // HQ)
+        o_k = tl.arange(0, BK)
+        m_k = o_k < K
         b_q = tl.load(q + (i_n * HQ + i_hq) * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_k = tl.load(k + (i_n * HQ + i_hq) * K + o_k, mask=m_k, other=0).to(tl.float32)
-        b_v = tl.load(v + (i_n * H + i_h) * V + o_j, mask=m_j, other=0).to(tl.float32)  # [8, NM]
-        b_beta = tl.load(beta + i_n * H + i_h).to(tl.float32)
-        # |q|^2, |k|^2 and q . k in one cross-warp reduction; the L2 norms are applied as scalars
-        b_qq, b_kk, b_qk = tl.reduce((b_q * b_q, b_k * b_k, b_q * b_k), 0, _add3)
+        b_kf = tl.load(k + (i_n * HQ + i_hq) * K + o_k, mask=m_k, other=0).to(tl.float32)
+        b_qq, b_kk, b_qk = tl.reduce((b_q * b_q, b_kf * b_kf, b_q * b_kf), 0, _add3)
         if USE_QK_L2NORM:
-            b_nq = 1.0 / tl.sqrt(b_qq + 1e-6)
-            b_nk = 1.0 / tl.sqrt(b_kk + 1e-6)
-            b_q = b_q * (b_nq * scale)
-            b_k = b_k * b_nk
-            b_qk = b_qk * (b_nq * b_nk * scale)
+            f_q = (1.0 / tl.sqrt(b_qq + 1e-6)) * scale
+            f_k = 1.0 / tl.sqrt(b_kk + 1e-6)
+            b_qk = b_qk * (f_q * f_k)
         else:
-            b_q = b_q * scale
+            f_q = scale
             b_qk = b_qk * scale
-        # k^T (D S) and q^T (D S) in one pass: one cross-warp exchange for both
-        b_hk, b_hq = tl.reduce((b_h * b_k[None, :, None], b_h * b_q[None, :, None]), 1, _add2)  # [8, NM]
-        b_u = b_beta * (b_v - b_hk)
-        b_x = b_h + b_k[None, :, None] * b_u[:, None, :]  # X = A S + B
-        # y = X^T q = (D S)^T q + (k . q) u, so the readout needs no second pass over X
-        b_o = b_hq + b_qk * b_u
-        if STORE_Y:
-            tl.store(y + (i_n * H + i_h) * V + o_j, b_o.to(y.dtype.element_ty), mask=m_j)
+        # columns past V: c = 0, so X is 0 there and takes no part in any row statistic
+        b_c = tl.where(m_j, b_c, 0.0)
+        b_rc = tl.where(m_j, _rcp(tl.where(m_j, b_c, 1.0), APPROX_RCP), 0.0)
     else:
-        # boundary pack: X is a float state [N, H, K, V]
-        p_x = x_in + ((i_n * H + i_h) * K + o_k[None, :, None]) * V + o_j[:, None, :]
-        b_x = tl.load(p_x, mask=m_x, other=0).to(tl.float32)
+        b_rc = b_c
+    o_w = tl.arange(0, BK)
+    b_c3 = b_c[:, None, :]  # [8, 1, NM]
+    b_u3 = b_u[:, None, :]
+
+    # ---- readout: k^T (D S) and q^T (D S) = c_j sum_i (a_i k_i) z_ij, one pass over the row blocks
+    if READOUT:
+        acc_k = tl.zeros([8, BKB, NM], dtype=tl.float32)
+        acc_q = tl.zeros([8, BKB, NM], dtype=tl.float32)
+        for kb in range(NKB):
+            _, b_lvl, b_a, o_r, m_r, _, _, _, _, _, _ = _state_block(
+                p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
+                i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
+                IS_KDA, IS_MIDRISE, USE_UPDATE)
+            i_hq = i_h // (H // HQ)
+            b_kr = tl.load(k + (i_n * HQ + i_hq) * K + o_r, mask=m_r, other=0).to(tl.float32) * f_k
+            b_qr = tl.load(q + (i_n * HQ + i_hq) * K + o_r, mask=m_r, other=0).to(tl.float32) * f_q
+            acc_k += b_lvl * (b_a * b_kr)[None, :, None]
+            acc_q += b_lvl * (b_a * b_qr)[None, :, None]
+        b_hk = tl.sum(acc_k, 1) * b_c  # [8, NM]
+        b_hq = tl.sum(acc_q, 1) * b_c
+        b_beta = tl.load(beta + i_n * H + i_h).to(tl.float32)
+        b_v = tl.load(v + (i_n * H + i_h) * V + o_j, mask=m_j, other=0).to(tl.float32)
+        b_u = b_beta * (b_v - b_hk)  # X = D S + k u^T
+        if STORE_Y:
+            # y = X^T q = (D S)^T q + (k . q) u: no second pass over X
+            tl.store(y + (i_n * H + i_h) * V + o_j, (b_hq + b_qk * b_u).to(y.dtype.element_ty), mask=m_j)
+        if STORE_U:
+            tl.store(p_work + BK + o_j, b_u, mask=m_j)
+    elif USE_UPDATE:
+        b_u = tl.load(p_work + BK + o_j, mask=m_j, other=0)
+    b_u3 = b_u[:, None, :]
 
     if WRITEBACK:
-        # ---- requantize X
-        if USE_DUAL_AXIS:
-            if IS_RMS:
-                b_m = tl.sqrt_rn(tl.sum(tl.sum(b_x * b_x, 0), 1) * (1.0 / V))
-            else:
-                b_m = tl.max(tl.max(tl.abs(b_x), 0), 1)  # [BK]
-            b_winv = tl.load(plan_winv + i_h * K + o_k, mask=m_k, other=1.0)
-            b_r = tl.where(m_int, _fp16_scale(tl.sqrt_rn(b_m) * b_winv), 1.0)  # [BK]
-            b_rr = _rcp(b_r, APPROX_RCP)
-            b_y = _div(b_x, b_r[None, :, None], b_rr[None, :, None])  # Y = X / r
-            # pivot and padded rows have gain 0, so they take no part in the column fit
-            b_gain = tl.load(plan_gain + i_h * K + o_k, mask=m_int, other=0.0)
-            if (i_flags & 32) != 0:
-                # one width (and gain) for the whole head: max_i fl(|Y_ij| g) = fl(max_i |Y_ij| g) exactly
-                b_g0 = tl.max(b_gain, 0)
-                b_c = _fp16_scale(tl.max(tl.abs(b_y), 1) * b_g0)  # [8, NM]
-            else:
-                b_c = _fp16_scale(tl.max(tl.abs(b_y) * b_gain[None, :, None], 1))
-            b_rc = _rcp(b_c, APPROX_RCP)
-            b_u = _codes(b_y, b_c, b_rc, b_zero, b_lo, b_hi, IS_MIDRISE)  # [8, BK, NM]
-            if REFIT_ITERS > 0:
-                b_w2 = tl.load(plan_w2 + i_h * K + o_k, mask=m_int, other=0.0)
-                b_w2r2 = (b_w2 * b_r) * b_r
-                for it in tl.static_range(REFIT_ITERS):
-                    b_z = b_u - b_zero[None, :, None]  # levels
-                    # w^2 r z X = (w^2 r^2 z) Y up to the rounding of Y = X / r: one product serves both
-                    # sums (a reordering like the FP32 sums themselves; scales match to tolerance)
-                    b_wz = b_w2r2[None, :, None] * b_z
-                    b_num, b_den = tl.reduce((b_wz * b_y, b_wz * b_z), 1, _add2)  # [8, NM]
-                    b_cn = _fp16_scale(b_num * _rcp(tl.where(b_den > 0, b_den, 1.0), APPROX_RCP))
-                    b_cn = tl.where(b_den > 0, b_cn, b_c)
-                    if it < REFIT_ITERS - 1:
-                        b_c = b_cn
-                        b_rc = _rcp(b_c, APPROX_RCP)
-                        b_u = _codes(b_y, b_c, b_rc, b_zero, b_lo, b_hi, IS_MIDRISE)
-                    else:
-                        if STORE_DEBUG:
-                            tl.store(dbg_c + (i_n * H + i_h) * BV + o_j, b_c)
-                        b_c = b_cn
-            elif STORE_DEBUG:
-                tl.store(dbg_c + (i_n * H + i_h) * BV + o_j, b_c)
-        else:
-            # rowwise absmax at each row's width: scale = fp16(absmax / qmax), mid-tread codes
-            b_qmax = b_hi * 0.5 - 0.5  # 2^(b-1) - 1
-            b_m = tl.max(tl.max(tl.abs(b_x), 0), 1)
-            b_r = tl.where(m_int, _fp16_scale(tl.math.div_rn(b_m, b_qmax)), 1.0)
-            b_rr = _rcp(b_r, APPROX_RCP)
-            b_t = _div(b_x, b_r[None, :, None], b_rr[None, :, None])
-            b_u = tl.minimum(tl.maximum(_rint(b_t + b_zero[None, :, None]), b_lo[None, :, None]),
-                             b_hi[None, :, None])
-            b_c = tl.full([8, NM], 1.0, dtype=tl.float32)
-            if STORE_DEBUG:
-                tl.store(dbg_c + (i_n * H + i_h) * BV + o_j, b_c)
-        if STORE_DEBUG:
-            tl.store(dbg_x + ((i_n * H + i_h) * BK + o_k[None, :, None]) * BV + o_j[:, None, :], b_x)
-
-        # ---- pack the codes back into the slot (code bits sit in the low mantissa of 2^23 + u)
-        b_code = (b_u + MAGIC_CODE).to(tl.int32, bitcast=True)  # low bits: the code; masked per plane
-        if V % 8 != 0:
-            # the last chunk's values past V are padding and must stay zero bits
-            b_code = tl.where(m_j[:, None, :], b_code, 0)
-        if PLANES & 8:
-            if any8:
-                tl.store(p_c8, b_code.to(tl.uint8), mask=m_p8[None, :, None] & m_j[:, None, :])
-        if PLANES & 4:
-            if any4:
-                _store_plane(p_slot, b_code, o_p4, m_p4, o_p, o_m, m_m, i_one, 4)
-        if PLANES & 2:
-            if any2:
-                _store_plane(p_slot, b_code >> s_p2[None, :, None], o_p2, m_p2, o_p, o_m, m_m, i_one, 2)
-        if PLANES & 1:
-            if any1:
-                _store_plane(p_slot, b_code >> s_p1[None, :, None], o_p1, m_p1, o_p, o_m, m_m, i_one, 1)
-        if PLANES & 16:
-            if any16:
-                # pivot rows have r = 1, so Y = X / 1 = X exactly (and X need not stay live until here)
-                b_src = b_y if USE_DUAL_AXIS else b_t
-                b_pv = tl.minimum(tl.maximum(b_src, -FP16_SCALE_MAX), FP16_SCALE_MAX).to(tl.float16)
-                tl.store(p_c16, b_pv, mask=m_p16[None, :, None] & m_j[:, None, :])
-        if i_hs >= 0:
-            tl.store(p_rs, b_r.to(tl.float16), mask=m_k)
+        # ---- pass A: X, row statistic -> new row scales r (to the work buffer), column init
+        b_cm = tl.zeros([8, BKB, NM], dtype=tl.float32)
+        for kb in range(NKB):
+            b_x, _, _, o_r, m_r, b_bits, _, m_int, b_zero, _, b_hi = _state_block(
+                p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
+                i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
+                IS_KDA, IS_MIDRISE, USE_UPDATE)
             if USE_DUAL_AXIS:
-                tl.store(p_cs, b_c.to(tl.float16), mask=m_j)
+                if IS_RMS:
+                    b_m = tl.sqrt_rn(tl.sum(tl.sum(b_x * b_x, 0), 1) * (1.0 / V))
+                else:
+                    b_m = tl.max(tl.max(tl.abs(b_x), 0), 1)  # [BKB]
+                b_winv = tl.load(plan_winv + i_h * K + o_r, mask=m_r, other=1.0)
+                b_rn = tl.where(m_int, _fp16_scale(tl.sqrt_rn(b_m) * b_winv), 1.0)
+                b_y = _div(b_x, b_rn[None, :, None], _rcp(b_rn, APPROX_RCP)[None, :, None])  # Y = X / r
+                # pivot and padded rows have gain 0, so they take no part in the column fit
+                b_gain = tl.load(plan_gain + i_h * K + o_r, mask=m_int, other=0.0)
+                b_cm = tl.maximum(b_cm, tl.abs(b_y) * b_gain[None, :, None])
+            else:
+                # rowwise absmax at each row's width: scale = fp16(absmax / qmax)
+                b_m = tl.max(tl.max(tl.abs(b_x), 0), 1)
+                b_rn = tl.where(m_int, _fp16_scale(tl.math.div_rn(b_m, b_hi * 0.5 - 0.5)), 1.0)
+            tl.store(p_work + o_r, b_rn, mask=m_r)
+        b_cn = _fp16_scale(tl.max(b_cm, 1))  # [8, NM] column init (dual-axis)
+        tl.debug_barrier()  # the work buffer's row scales are read back by other threads
+
+        # ---- passes B: codes against the current column scales; each refit pass refits them; the last
+        # pass packs its codes in place (a barrier per block: every thread has read the old words first)
+        NP: tl.constexpr = REFIT_ITERS if (USE_DUAL_AXIS and REFIT_ITERS > 0) else 1
+        for it in tl.static_range(NP):
+            b_cc = b_cn  # the column scales these codes are computed against
+            b_rcc = _rcp(b_cc, APPROX_RCP)
+            acc_n = tl.zeros([8, BKB, NM], dtype=tl.float32)
+            acc_d = tl.zeros([8, BKB, NM], dtype=tl.float32)
+            for kb in range(NKB):
+                b_x, _, _, o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi = _state_block(
+                    p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
+                    i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
+                    IS_KDA, IS_MIDRISE, USE_UPDATE)
+                b_rn = tl.load(p_work + o_r, mask=m_r, other=1.0)
+                b_y = _div(b_x, b_rn[None, :, None], _rcp(b_rn, APPROX_RCP)[None, :, None])
+                if USE_DUAL_AXIS:
+                    b_q8 = _codes(b_y, b_cc, b_rcc, b_zero, b_lo, b_hi, IS_MIDRISE)  # [8, BKB, NM]
+                    if REFIT_ITERS > 0:
+                        # w^2 r z X = (w^2 r^2 z) Y up to the rounding of Y = X / r: one product, both sums
+                        b_w2 = tl.load(plan_w2 + i_h * K + o_r, mask=m_int, other=0.0)
+                        b_z = b_q8 - b_zero[None, :, None]
+                        b_wz = ((b_w2 * b_rn) * b_rn)[None, :, None] * b_z
+                        acc_n += b_wz * b_y
+                        acc_d += b_wz * b_z
+                else:
+                    b_q8 = tl.minimum(tl.maximum(_rint(b_y + b_zero[None, :, None]), b_lo[None, :, None]),
+                                      b_hi[None, :, None])
+                if it == NP - 1:
+                    if STORE_DEBUG:
+                        p_dx = dbg_x + ((i_n * H + i_h) * BK + o_r[None, :, None]) * BV + o_j[:, None, :]
+                        tl.store(p_dx, b_x, mask=m_r[None, :, None])
+                    tl.debug_barrier()
+                    _pack_block(p_slot, b_q8, b_y, b_bits, b_roff, o_p, o_m, o_j, m_m, m_j, i_one, i_planes,
+                                PLANES, V, WORD_ALIGN)
+            if USE_DUAL_AXIS and REFIT_ITERS > 0:
+                b_num = tl.sum(acc_n, 1)
+                b_den = tl.sum(acc_d, 1)
+                b_fit = _fp16_scale(tl.math.div_rn(b_num, tl.where(b_den > 0, b_den, 1.0)))
+                b_cn = tl.where(b_den > 0, b_fit, b_cc)
+        if STORE_DEBUG:
+            tl.store(dbg_c + (i_n * H + i_h) * BV + o_j, b_cc if USE_DUAL_AXIS else tl.full([8, NM], 1.0,
+                                                                                        tl.float32))
+        # ---- new scales last: the passes above read the old ones
+        tl.debug_barrier()
+        if i_hs >= 0:
+            b_rw = tl.load(p_work + o_w, mask=o_w < K, other=1.0)
+            tl.store(p_rs + o_w, b_rw.to(tl.float16), mask=o_w < K)
+            if USE_DUAL_AXIS:
+                tl.store(p_cs, b_cn.to(tl.float16), mask=m_j)
 
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -407,28 +488,47 @@ def _word_align(value_dim: int) -> int:
     return 2 if value_dim % 64 == 0 else 1
 
 
+def work_buffer(layer: PackedLayer, num_rows: int) -> torch.Tensor:
+    """Per (request, head) FP32 scratch: the new row scales [BK], then the readout's u [BV]."""
+    block_k, block_v = _blocks(layer)
+    return torch.empty(num_rows, layer.num_heads, block_k + block_v, dtype=torch.float32, device=layer.device)
+
+
+def _blocks(layer: PackedLayer) -> tuple[int, int]:
+    return triton.next_power_of_2(layer.key_dim), max(triton.next_power_of_2(layer.value_dim), 8)
+
+
 def _launch(layer, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, use_update, debug,
-            num_warps, part="fused", planes=None):
+            num_warps, part="fused", planes=None, work=None, block_rows=None):
     num_rows = slots.shape[0]
     num_heads, key_dim, value_dim = layer.num_heads, layer.key_dim, layer.value_dim
-    block_k = triton.next_power_of_2(key_dim)
-    block_v = max(triton.next_power_of_2(value_dim), 8)
+    block_k, block_v = _blocks(layer)
     align = _word_align(value_dim)
     plan = layer.plan
+    readout = use_update and (part in ("fused", "readout") or work is None)
+    store_u = part == "readout" and work is not None
+    if work is None:
+        work = work_buffer(layer, num_rows)
     dbg_x = dbg_c = layer.row_winv  # unused unless debug
     if debug is not None:
         dbg_x = torch.full((num_rows, num_heads, block_k, block_v), float("nan"), device=layer.device)
         dbg_c = torch.full((num_rows, num_heads, block_v), float("nan"), device=layer.device)
     col_scale = layer.col_scale if layer.col_scale is not None else layer.row_scale
     num_q_heads = q.shape[1] if use_update else num_heads
+    # defaults from the H200 sweep (benchmarks/results): the readout alone is latency-bound and runs best
+    # as many small programs; the writeback passes need more registers per program
+    readout_only = part == "readout"
+    if block_rows is None:
+        block_rows = min(block_k, 8 if readout_only else 16)
     if num_warps is None:
-        num_warps = 8 if block_k * block_v >= 128 * 128 else 4
-    fused_packed_step_kernel[(num_rows, num_heads)](
+        num_warps = 2 if readout_only else 4
+    packed_step_kernel[(num_rows, num_heads)](
         q, k, v, g, beta, y, x_in,
         slots,
         layer.codes, layer.row_scale, col_scale,
         layer.row_table, layer.head_table,
         layer.row_winv, layer.row_w2, layer.row_gain,
+        work,
         dbg_x, dbg_c,
         scale,
         layer.layout.words_per_slot // align,
@@ -441,9 +541,12 @@ def _launch(layer, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, us
         V=value_dim,
         BK=block_k,
         BV=block_v,
+        BKB=block_rows,
         IS_KDA=g.dim() == 3 if use_update else False,
         USE_UPDATE=use_update,
+        READOUT=readout,
         STORE_Y=use_update and part in ("fused", "readout"),
+        STORE_U=store_u,
         WRITEBACK=part in ("fused", "writeback"),
         USE_QK_L2NORM=use_qk_l2norm,
         USE_DUAL_AXIS=plan.has_col_scale,
@@ -475,8 +578,10 @@ def fused_packed_decode(
     use_qk_l2norm: bool = False,
     out: torch.Tensor | None = None,
     part: str = "fused",
+    work: torch.Tensor | None = None,
     debug: dict | None = None,
     num_warps: int | None = None,
+    block_rows: int | None = None,
     planes: int | None = None,
 ) -> torch.Tensor:
     """One decode token for N requests whose states live in ``layer``'s slots; returns y [N, H, V].
@@ -485,10 +590,12 @@ def fused_packed_decode(
     v [N, H, V]; g [N, H] (GDN) or [N, H, K] (KDA) log decays; beta [N, H]. Value head h reads q/k head
     h // (H / H_k). scale defaults to K^-1/2, applied to q after the optional in-kernel L2 norm.
     part: "fused" (readout and in-place requantization, one kernel), or the paper's split:
-    "readout" (y only, slots untouched) then "writeback" (recomputes X from the same inputs and
-    requantizes the slots, y untouched). debug (a dict) receives "x": the float state X [N, H, K, V]
-    the kernel requantized, and "c": the column scales [N, H, V] its codes were computed against.
-    planes overrides the plane widths compiled in (default: those the layer's plan uses).
+    "readout" (y only, slots untouched) then "writeback" (requantizes the slots, y untouched). With
+    ``work`` (from :func:`fused_packed_decode_split`) the readout leaves the update's u there and the
+    writeback starts from it; without, the writeback recomputes it. debug (a dict) receives "x": the
+    float state X [N, H, K, V] the kernel requantized, and "c": the column scales [N, H, V] its codes
+    were computed against. num_warps, block_rows (key rows per tile) and planes (plane widths compiled
+    in; default those the plan uses) are tuning knobs.
     """
     _check_inputs(layer, slots, q, k, v, g, beta)
     if part not in PARTS:
@@ -499,7 +606,7 @@ def fused_packed_decode(
     scale = layer.key_dim**-0.5 if scale is None else float(scale)
     _launch(layer, slots.to(torch.int32).contiguous(), q, k, v, g, beta, out, q, scale=scale,
             use_qk_l2norm=use_qk_l2norm, use_update=True, debug=debug, num_warps=num_warps, part=part,
-            planes=planes)
+            planes=planes, work=work, block_rows=block_rows)
     return out
 
 
@@ -516,6 +623,8 @@ def fused_packed_decode_split(
     use_qk_l2norm: bool = False,
     out: torch.Tensor | None = None,
     stream: torch.cuda.Stream | None = None,
+    num_warps: int | None = None,
+    block_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.cuda.Event]:
     """The paper's split step: readout on the current stream, requantize + writeback on ``stream``.
 
@@ -523,13 +632,14 @@ def fused_packed_decode_split(
     ``done`` fires. The caller must ``torch.cuda.current_stream().wait_event(done)`` before the next
     step touches this layer's slots (later layers of the same token need not wait).
     """
-    kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm)
-    y = fused_packed_decode(layer, slots, q, k, v, g, beta, out=out, part="readout", **kwargs)
+    kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, num_warps=num_warps, block_rows=block_rows)
+    work = work_buffer(layer, slots.shape[0])
+    y = fused_packed_decode(layer, slots, q, k, v, g, beta, out=out, part="readout", work=work, **kwargs)
     side = torch.cuda.Stream(device=layer.device) if stream is None else stream
     side.wait_stream(torch.cuda.current_stream(layer.device))
     with torch.cuda.stream(side):
-        fused_packed_decode(layer, slots, q, k, v, g, beta, out=y, part="writeback", **kwargs)
-    for t in (slots, q, k, v, g, beta):
+        fused_packed_decode(layer, slots, q, k, v, g, beta, out=y, part="writeback", work=work, **kwargs)
+    for t in (slots, q, k, v, g, beta, work):
         t.record_stream(side)  # the caller may drop its inputs before the side stream is done
     done = torch.cuda.Event()
     done.record(side)
