@@ -34,22 +34,24 @@ from stepquant.kernels.decode.fused import packed_step_kernel  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 POINTERS = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", y="*bf16", x_in="*fp32",
-                slots="*i32", codes="*i32", row_scale="*fp16", col_scale="*fp16", plan_rows="*i32",
+                slots="*i32", heads="*i32", codes="*i32", row_scale="*fp16", col_scale="*fp16",
+                plan_rows="*i32",
                 plan_heads="*i32", plan_winv="*fp32", plan_w2="*fp32", plan_gain="*fp32", dbg_x="*fp32",
                 work="*fp32", dbg_c="*fp32", scale="fp32", slot_stride="i32", num_scaled="i32")
-BASE = dict(WORD_ALIGN=4, PLANES=6, H=48, HQ=16, K=128, V=128, BK=128, BV=128, BKB=16, IS_KDA=False,
-            USE_UPDATE=True, READOUT=True, STORE_Y=True, STORE_U=False, WRITEBACK=True, USE_QK_L2NORM=True,
-            USE_DUAL_AXIS=True, IS_RMS=True, IS_MIDRISE=True, REFIT_ITERS=2, STORE_DEBUG=False,
-            APPROX_RCP=True)
+BASE = dict(WORD_ALIGN=4, PLANES=6, UNIFORM_BITS=6, H=48, HQ=16, K=128, V=128, BK=128, BV=128, BKB=16,
+            IS_KDA=False, USE_UPDATE=True, READOUT=True, STORE_Y=True, STORE_U=False, WRITEBACK=True,
+            USE_QK_L2NORM=True, USE_DUAL_AXIS=True, IS_RMS=True, IS_MIDRISE=True, REFIT_ITERS=2,
+            STORE_DEBUG=False, APPROX_RCP=True)
 VARIANTS = {  # name: (constexpr overrides, what it is)
     "fused": ({}, "GDN head of 6 bits (planes 4+2), dual-axis, 2 refits (the default codec)"),
     "readout": (dict(WRITEBACK=False, STORE_U=True), "split: readout only"),
     "writeback": (dict(READOUT=False, STORE_Y=False), "split: requantize + write back only"),
     "no-refit": (dict(REFIT_ITERS=0), "dual-axis without the column refit"),
-    "absmax": (dict(USE_DUAL_AXIS=False, IS_MIDRISE=False), "rowwise absmax INT6"),
-    "4bit": (dict(PLANES=4), "GDN head of 4 bits (one plane)"),
+    "absmax": (dict(USE_DUAL_AXIS=False, IS_MIDRISE=False, REFIT_ITERS=0), "rowwise absmax INT6"),
+    "4bit": (dict(PLANES=4, UNIFORM_BITS=4), "GDN head of 4 bits (one plane)"),
+    "mixed-rows": (dict(UNIFORM_BITS=0), "6-bit planes with per-row widths read at run time (KDA-style)"),
     "pack": (dict(USE_UPDATE=False), "boundary pack from FP32 states"),
-    "kda-all-planes": (dict(PLANES=31, IS_KDA=True), "KDA, every plane path compiled (upper bound)"),
+    "kda-all-planes": (dict(PLANES=31, UNIFORM_BITS=0, IS_KDA=True), "KDA, every plane path compiled"),
 }
 
 

@@ -28,6 +28,7 @@ FP16 pivots are read and written per value as bytes / halves. Every access to a 
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 import triton
@@ -137,12 +138,16 @@ def _store_plane(p_slot, b_code, o_plane, m_plane, o_p, o_m, m_m, i_one, W: tl.c
 
 
 @triton.jit
-def _row_block(plan_rows, i_h, kb, K: tl.constexpr, BKB: tl.constexpr, IS_MIDRISE: tl.constexpr):
+def _row_block(plan_rows, i_h, kb, K: tl.constexpr, BKB: tl.constexpr, IS_MIDRISE: tl.constexpr,
+               UNIFORM_BITS: tl.constexpr):
     # the plan of key rows [kb * BKB, (kb + 1) * BKB) of head i_h: per row its bits, first word, grid
     o_r = kb * BKB + tl.arange(0, BKB)  # [BKB]
     m_r = o_r < K
     b_row = tl.load(plan_rows + i_h * K + o_r, mask=m_r, other=0)
-    b_bits = b_row & 31
+    if UNIFORM_BITS > 0:
+        b_bits = tl.where(m_r, UNIFORM_BITS, 0)  # a launch for heads of one width: known when compiled
+    else:
+        b_bits = b_row & 31
     b_roff = b_row >> 5
     m_int = m_r & (b_bits > 0) & (b_bits <= 8)
     # pivot and padded rows use a placeholder width: their codes are computed but never stored
@@ -178,11 +183,21 @@ def _wide_ptrs(p_slot, b_roff, o_j, WORD_ALIGN: tl.constexpr):
 
 
 @triton.jit
+def _plane_shifts(b_bits, UNIFORM_BITS: tl.constexpr):
+    # where the 2- and 1-bit planes' code bits go: above the wider planes of the row
+    if UNIFORM_BITS > 0:
+        return UNIFORM_BITS & ~3, UNIFORM_BITS & ~1
+    else:
+        return (b_bits & ~3)[None, :, None], (b_bits & ~1)[None, :, None]
+
+
+@triton.jit
 def _unpack_block(p_slot, b_bits, b_roff, o_p, o_m, o_j, m_m, m_j, i_one, i_planes,
                   PLANES: tl.constexpr, V: tl.constexpr, WORD_ALIGN: tl.constexpr, BKB: tl.constexpr,
-                  NM: tl.constexpr):
+                  NM: tl.constexpr, UNIFORM_BITS: tl.constexpr):
     # 2 * code of every value of a row block [8, BKB, NM] (pivot rows: 0), see MAGIC_LEVEL
     o_p2, o_p1 = _plane_offsets(b_bits, b_roff, V)
+    s_p2, s_p1 = _plane_shifts(b_bits, UNIFORM_BITS)
     b_code = tl.zeros([8, BKB, NM], dtype=tl.int32)
     if PLANES & 8:
         if (i_planes & 8) != 0:
@@ -194,20 +209,19 @@ def _unpack_block(p_slot, b_bits, b_roff, o_p, o_m, o_j, m_m, m_j, i_one, i_plan
             b_code |= _load_plane(p_slot, b_roff, (b_bits & 4) != 0, o_p, o_m, m_m, i_one, 4)
     if PLANES & 2:
         if (i_planes & 2) != 0:
-            b_code |= _load_plane(p_slot, o_p2, (b_bits & 2) != 0, o_p, o_m, m_m, i_one, 2) << (
-                b_bits & ~3)[None, :, None]
+            b_code |= _load_plane(p_slot, o_p2, (b_bits & 2) != 0, o_p, o_m, m_m, i_one, 2) << s_p2
     if PLANES & 1:
         if (i_planes & 1) != 0:
-            b_code |= _load_plane(p_slot, o_p1, (b_bits & 1) != 0, o_p, o_m, m_m, i_one, 1) << (
-                b_bits & ~1)[None, :, None]
+            b_code |= _load_plane(p_slot, o_p1, (b_bits & 1) != 0, o_p, o_m, m_m, i_one, 1) << s_p1
     return b_code
 
 
 @triton.jit
 def _pack_block(p_slot, b_u, b_x, b_bits, b_roff, o_p, o_m, o_j, m_m, m_j, i_one, i_planes,
-                PLANES: tl.constexpr, V: tl.constexpr, WORD_ALIGN: tl.constexpr):
+                PLANES: tl.constexpr, V: tl.constexpr, WORD_ALIGN: tl.constexpr, UNIFORM_BITS: tl.constexpr):
     # store the float codes b_u [8, BKB, NM] plane by plane, and fp16(clamp(X)) of the pivot rows
     o_p2, o_p1 = _plane_offsets(b_bits, b_roff, V)
+    s_p2, s_p1 = _plane_shifts(b_bits, UNIFORM_BITS)
     p_c8, p_c16 = _wide_ptrs(p_slot, b_roff, o_j, WORD_ALIGN)
     b_code = (b_u + MAGIC_CODE).to(tl.int32, bitcast=True)  # low mantissa bits: the code
     if V % 8 != 0:
@@ -221,12 +235,10 @@ def _pack_block(p_slot, b_u, b_x, b_bits, b_roff, o_p, o_m, o_j, m_m, m_j, i_one
             _store_plane(p_slot, b_code, b_roff, (b_bits & 4) != 0, o_p, o_m, m_m, i_one, 4)
     if PLANES & 2:
         if (i_planes & 2) != 0:
-            _store_plane(p_slot, b_code >> (b_bits & ~3)[None, :, None], o_p2, (b_bits & 2) != 0, o_p, o_m,
-                         m_m, i_one, 2)
+            _store_plane(p_slot, b_code >> s_p2, o_p2, (b_bits & 2) != 0, o_p, o_m, m_m, i_one, 2)
     if PLANES & 1:
         if (i_planes & 1) != 0:
-            _store_plane(p_slot, b_code >> (b_bits & ~1)[None, :, None], o_p1, (b_bits & 1) != 0, o_p, o_m,
-                         m_m, i_one, 1)
+            _store_plane(p_slot, b_code >> s_p1, o_p1, (b_bits & 1) != 0, o_p, o_m, m_m, i_one, 1)
     if PLANES & 16:
         if (i_planes & 16) != 0:
             b_pv = tl.minimum(tl.maximum(b_x, -FP16_SCALE_MAX), FP16_SCALE_MAX).to(tl.float16)
@@ -238,14 +250,15 @@ def _state_block(p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3,
                  i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j,
                  H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BKB: tl.constexpr,
                  NM: tl.constexpr, PLANES: tl.constexpr, WORD_ALIGN: tl.constexpr, IS_KDA: tl.constexpr,
-                 IS_MIDRISE: tl.constexpr, USE_UPDATE: tl.constexpr):
+                 IS_MIDRISE: tl.constexpr, USE_UPDATE: tl.constexpr, UNIFORM_BITS: tl.constexpr):
     # one row block of the state. USE_UPDATE: levels z, the per-row factor a = r e^g of the decayed
     # state D S = diag(a) Z diag(c) (pivot rows: z = value / c, a = e^g), the row-block of normalised k,
     # and X = D S + k u^T. Otherwise X is the float state x_in (boundary pack).
-    o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi = _row_block(plan_rows, i_h, kb, K, BKB, IS_MIDRISE)
+    o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi = _row_block(plan_rows, i_h, kb, K, BKB, IS_MIDRISE,
+                                                                      UNIFORM_BITS)
     if USE_UPDATE:
         b_code = _unpack_block(p_slot, b_bits, b_roff, o_p, o_m, o_j, m_m, m_j, i_one, i_planes,
-                               PLANES, V, WORD_ALIGN, BKB, NM)
+                               PLANES, V, WORD_ALIGN, BKB, NM, UNIFORM_BITS)
         # bits((2u) | 0x4A800000) = 2^22 + u, so a level is one subtraction (exact for half-integer zeros)
         b_lvl = (b_code | 0x4A800000).to(tl.float32, bitcast=True) - (b_zero + MAGIC_LEVEL)[None, :, None]
         if PLANES & 16:
@@ -280,6 +293,7 @@ def packed_step_kernel(
     y,
     x_in,
     slots,
+    heads,
     codes,
     row_scale,
     col_scale,
@@ -296,6 +310,7 @@ def packed_step_kernel(
     num_scaled,
     WORD_ALIGN: tl.constexpr,
     PLANES: tl.constexpr,
+    UNIFORM_BITS: tl.constexpr,
     H: tl.constexpr,
     HQ: tl.constexpr,
     K: tl.constexpr,
@@ -317,7 +332,9 @@ def packed_step_kernel(
     STORE_DEBUG: tl.constexpr,
     APPROX_RCP: tl.constexpr,
 ):
-    i_n, i_h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    # one launch per group of heads with the same plane widths (and, for GDN, one bit width), so each
+    # compiled kernel holds only the unpack / pack paths its heads use
+    i_n, i_h = tl.program_id(0).to(tl.int64), tl.load(heads + tl.program_id(1))
     i_s = tl.load(slots + i_n).to(tl.int64)
     if i_s < 0:
         # a free batch row: leave its output and every slot untouched
@@ -380,7 +397,7 @@ def packed_step_kernel(
             _, b_lvl, b_a, o_r, m_r, _, _, _, _, _, _ = _state_block(
                 p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
                 i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
-                IS_KDA, IS_MIDRISE, USE_UPDATE)
+                IS_KDA, IS_MIDRISE, USE_UPDATE, UNIFORM_BITS)
             i_hq = i_h // (H // HQ)
             b_kr = tl.load(k + (i_n * HQ + i_hq) * K + o_r, mask=m_r, other=0).to(tl.float32) * f_k
             b_qr = tl.load(q + (i_n * HQ + i_hq) * K + o_r, mask=m_r, other=0).to(tl.float32) * f_q
@@ -407,7 +424,7 @@ def packed_step_kernel(
             b_x, _, _, o_r, m_r, b_bits, _, m_int, b_zero, _, b_hi = _state_block(
                 p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
                 i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
-                IS_KDA, IS_MIDRISE, USE_UPDATE)
+                IS_KDA, IS_MIDRISE, USE_UPDATE, UNIFORM_BITS)
             if USE_DUAL_AXIS:
                 if IS_RMS:
                     b_m = tl.sqrt_rn(tl.sum(tl.sum(b_x * b_x, 0), 1) * (1.0 / V))
@@ -439,7 +456,7 @@ def packed_step_kernel(
                 b_x, _, _, o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi = _state_block(
                     p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
                     i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
-                    IS_KDA, IS_MIDRISE, USE_UPDATE)
+                    IS_KDA, IS_MIDRISE, USE_UPDATE, UNIFORM_BITS)
                 b_rn = tl.load(p_work + o_r, mask=m_r, other=1.0)
                 b_y = _div(b_x, b_rn[None, :, None], _rcp(b_rn, APPROX_RCP)[None, :, None])
                 if USE_DUAL_AXIS:
@@ -460,7 +477,7 @@ def packed_step_kernel(
                         tl.store(p_dx, b_x, mask=m_r[None, :, None])
                     tl.debug_barrier()
                     _pack_block(p_slot, b_q8, b_y, b_bits, b_roff, o_p, o_m, o_j, m_m, m_j, i_one, i_planes,
-                                PLANES, V, WORD_ALIGN)
+                                PLANES, V, WORD_ALIGN, UNIFORM_BITS)
             if USE_DUAL_AXIS and REFIT_ITERS > 0:
                 b_num = tl.sum(acc_n, 1)
                 b_den = tl.sum(acc_d, 1)
@@ -498,13 +515,46 @@ def _blocks(layer: PackedLayer) -> tuple[int, int]:
     return triton.next_power_of_2(layer.key_dim), max(triton.next_power_of_2(layer.value_dim), 8)
 
 
+_HEAD_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def head_groups(layer: PackedLayer) -> list[tuple[torch.Tensor, int, int]]:
+    """The launches of one step: (head indices int32 on the layer's device, plane widths, uniform bits).
+
+    Heads whose rows all share one width b (GDN heads, FP16 pivot heads: b = 16) are grouped by b and
+    compiled with b known; heads with mixed rows (KDA) form one group compiled for the union of their
+    plane widths, with per-row widths read at run time.
+    """
+    cached = _HEAD_GROUPS.get(layer)
+    if cached is not None:
+        return cached
+    bits = layer.plan.bits.to(torch.int64)  # [H, K]
+    groups: dict[tuple[int, int], list[int]] = {}
+    mixed_planes = 0
+    for head in range(bits.shape[0]):
+        row_bits = bits[head]
+        planes = 0
+        for width in (16, 8, 4, 2, 1):
+            planes |= width if bool(((row_bits & width) != 0).any()) else 0
+        if bool((row_bits == row_bits[0]).all()):
+            groups.setdefault((planes, int(row_bits[0])), []).append(head)
+        else:
+            mixed_planes |= planes
+            groups.setdefault((-1, 0), []).append(head)
+    result = []
+    for (planes, uniform), members in sorted(groups.items(), key=lambda item: item[1][0]):
+        index = torch.tensor(members, dtype=torch.int32, device=layer.device)
+        result.append((index, mixed_planes if planes < 0 else planes, uniform))
+    _HEAD_GROUPS[layer] = result
+    return result
+
+
 def _launch(layer, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, use_update, debug,
             num_warps, part="fused", planes=None, work=None, block_rows=None):
     num_rows = slots.shape[0]
     num_heads, key_dim, value_dim = layer.num_heads, layer.key_dim, layer.value_dim
     block_k, block_v = _blocks(layer)
     align = _word_align(value_dim)
-    plan = layer.plan
     readout = use_update and (part in ("fused", "readout") or work is None)
     store_u = part == "readout" and work is not None
     if work is None:
@@ -522,9 +572,29 @@ def _launch(layer, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, us
         block_rows = min(block_k, 8 if readout_only else 16)
     if num_warps is None:
         num_warps = 2 if readout_only else 4
-    packed_step_kernel[(num_rows, num_heads)](
+    if planes is None:
+        groups = head_groups(layer)
+    else:  # one launch for every head, compiled for the given plane widths
+        groups = [(torch.arange(num_heads, dtype=torch.int32, device=layer.device), planes, 0)]
+    for heads, group_planes, uniform_bits in groups:
+        _launch_group(layer, slots, heads, group_planes, uniform_bits, q, k, v, g, beta, y, x_in, work,
+                      dbg_x, dbg_c, col_scale, scale=scale, num_q_heads=num_q_heads, align=align,
+                      block_k=block_k, block_v=block_v, block_rows=block_rows, use_update=use_update,
+                      readout=readout, store_u=store_u, part=part, use_qk_l2norm=use_qk_l2norm,
+                      debug=debug is not None, num_warps=num_warps)
+    if debug is not None:
+        debug["x"] = dbg_x[:, :, :key_dim, :value_dim]
+        debug["c"] = dbg_c[:, :, :value_dim]
+
+
+def _launch_group(layer, slots, heads, planes, uniform_bits, q, k, v, g, beta, y, x_in, work, dbg_x, dbg_c,
+                  col_scale, *, scale, num_q_heads, align, block_k, block_v, block_rows, use_update, readout,
+                  store_u, part, use_qk_l2norm, debug, num_warps):
+    plan = layer.plan
+    packed_step_kernel[(slots.shape[0], heads.shape[0])](
         q, k, v, g, beta, y, x_in,
         slots,
+        heads,
         layer.codes, layer.row_scale, col_scale,
         layer.row_table, layer.head_table,
         layer.row_winv, layer.row_w2, layer.row_gain,
@@ -534,11 +604,12 @@ def _launch(layer, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, us
         layer.layout.words_per_slot // align,
         layer.layout.num_scaled_heads,
         WORD_ALIGN=align,
-        PLANES=layer.planes if planes is None else planes,
-        H=num_heads,
+        PLANES=planes,
+        UNIFORM_BITS=uniform_bits,
+        H=layer.num_heads,
         HQ=num_q_heads,
-        K=key_dim,
-        V=value_dim,
+        K=layer.key_dim,
+        V=layer.value_dim,
         BK=block_k,
         BV=block_v,
         BKB=block_rows,
@@ -553,13 +624,10 @@ def _launch(layer, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, us
         IS_RMS=plan.config.row_stat == "rms",
         IS_MIDRISE=plan.grid is Grid.MIDRISE,
         REFIT_ITERS=plan.config.refit_iters,
-        STORE_DEBUG=debug is not None,
+        STORE_DEBUG=debug,
         APPROX_RCP=not _INTERPRETED,
         num_warps=num_warps,
     )
-    if debug is not None:
-        debug["x"] = dbg_x[:, :, :key_dim, :value_dim]
-        debug["c"] = dbg_c[:, :, :value_dim]
 
 
 PARTS = ("fused", "readout", "writeback")
