@@ -410,7 +410,7 @@ def main(argv=None) -> int:
     parser.add_argument("--split-bits", default="6", help="budgets also timed split and without refit")
     parser.add_argument("--num-warps", type=int, default=None, help="warps per program (default: kernel's)")
     parser.add_argument("--block-rows", type=int, default=None, help="key rows per tile (default: kernel's)")
-    parser.add_argument("--sweep", default="2:16,4:16,4:32,8:32,8:64",
+    parser.add_argument("--sweep", default="1:8,2:8,4:16",
                         help="num_warps:block_rows pairs timed per part at the largest B ('' skips)")
     parser.add_argument("--sweep-bits", type=int, default=6, help="budget of the sweep")
     parser.add_argument("--sweep-parts", default=",".join(PARTS), help="parts timed in the sweep")

@@ -565,13 +565,12 @@ def _launch(layer, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, us
         dbg_c = torch.full((num_rows, num_heads, block_v), float("nan"), device=layer.device)
     col_scale = layer.col_scale if layer.col_scale is not None else layer.row_scale
     num_q_heads = q.shape[1] if use_update else num_heads
-    # defaults from the H200 sweep (benchmarks/results): the readout alone is latency-bound and runs best
-    # as many small programs; the writeback passes need more registers per program
-    readout_only = part == "readout"
+    # defaults from the H200 sweep (benchmarks/results, B = 512): every part is latency-bound, so many
+    # small programs (8 key rows per tile) win; the readout alone runs best as one warp per head
     if block_rows is None:
-        block_rows = min(block_k, 8 if readout_only else 16)
+        block_rows = min(block_k, 8)
     if num_warps is None:
-        num_warps = 2 if readout_only else 4
+        num_warps = 1 if part == "readout" else 2
     if planes is None:
         groups = head_groups(layer)
     else:  # one launch for every head, compiled for the given plane widths
