@@ -194,3 +194,33 @@ def test_eval_command_end_to_end(tmp_path, capsys):
     assert kda["methods"]["int4"]["measured_bytes_per_request"] == kda["methods"]["int4"]["bytes_per_request"]
     assert (tmp_path / "eval.md").exists() and (tmp_path / "excess_nll_kda.png").stat().st_size > 0
     assert isinstance(Method, type)
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_attribution_head_variants_isolate_one_head(name):
+    from stepquant.calibrate import Plan
+    from stepquant.eval.attribution import head_variants
+    from stepquant.eval.methods import DEFAULT_PLANS_DIR
+
+    variants_of = ("stepquant", "temporal")
+    plans = {v: Plan.load(DEFAULT_PLANS_DIR / name / f"{v}-4", model_config=name) for v in variants_of}
+    layers = [int(i) for i in plans["stepquant"].linear_layers]
+    layer, i = layers[-1], len(layers) - 1
+    heads = plans["stepquant"].bits[i].shape[0]
+    variants = head_variants(plans, layers, 4, layer)
+    expected = [(v, h) for v in variants_of for h in range(heads)]
+    assert [v[0] for v in variants] == [f"{v}-4@{layer}.h{h}" for v, h in expected]
+    torch.manual_seed(0)
+    states = torch.randn(2, heads, 128, 128) * torch.rand(1, heads, 128, 1)  # rows of different magnitudes
+    for (variant_name, _, codecs), (variant, head) in zip(variants, expected, strict=True):
+        assert all(codecs[other].name == "fp32" for other in layers if other != layer), variant_name
+        one_head = codecs[layer]
+        assert torch.equal(one_head.bits[head], plans[variant].bits[i][head])
+        assert bool((one_head.bits[torch.arange(heads) != head] == 16).all())  # the other heads: FP16 pivots
+        got = one_head.roundtrip(states)
+        want = plans[variant].codec(i).roundtrip(states)
+        assert torch.equal(got[:, head], want[:, head])  # the head is fitted exactly as in the full plan
+        others = torch.arange(heads) != head
+        assert torch.equal(got[:, others], states[:, others].half().float())  # the rest: FP16 cast
+    with pytest.raises(ValueError, match="linear-attention layer"):
+        head_variants(plans, layers, 4, 3)  # layer 3 is full attention

@@ -6,7 +6,8 @@ loop) on diagnostic variants built from a model's calibrated plans at one budget
 - per layer: STEPQuant@b and temporal only@b on one linear-attention layer, FP32 elsewhere;
 - quantizer swaps with the bits held fixed: STEPQuant's bit plan under the absmax quantizer (temporal-only
   quantizer), temporal's bit plan under the dual-axis quantizer, and STEPQuant's dual-axis quantizer with
-  one knob changed at a time (midtread grid, w = 1, the plain w^2 refit, no refit, no clipping).
+  one knob changed at a time (midtread grid, w = 1, the plain w^2 refit, no refit, no clipping);
+- with ``--heads-of-layer L``: STEPQuant@b and temporal only@b on each head of layer L on its own.
 
     python -m stepquant.eval.attribution --model kda --bits 4 --quick --out docs/results
 
@@ -28,7 +29,7 @@ import torch
 
 from stepquant.codecs import Grid, MixedCodec, make_codec
 from stepquant.eval.cli import DEFAULT_WINDOW, FULL, QUICK, SHIPPED_STREAMS
-from stepquant.eval.methods import DEFAULT_PLANS_DIR, load_plan
+from stepquant.eval.methods import DEFAULT_PLANS_DIR, load_plan, plan_path
 
 
 def diagnostic_variants(plans: dict, linear_layers: list[int], bits: int) -> list[tuple[str, str, dict]]:
@@ -72,8 +73,32 @@ def diagnostic_variants(plans: dict, linear_layers: list[int], bits: int) -> lis
     return variants
 
 
+def head_variants(plans: dict, linear_layers: list[int], bits: int,
+                  layer: int) -> list[tuple[str, str, dict]]:
+    """STEPQuant@b and temporal only@b on one head of one layer: the layer's other heads are stored as
+    FP16 pivot rows (bits 16, near-lossless like the FP16 cast), every other layer FP32. Each head is fitted
+    on its own, so this isolates the head exactly."""
+    if layer not in linear_layers:
+        raise ValueError(f"--heads-of-layer must be a linear-attention layer, one of {linear_layers}")
+    i = linear_layers.index(layer)
+    fp32 = make_codec("fp32")
+    variants = []
+    for variant in ("stepquant", "temporal"):
+        plan = plans[variant]
+        codec = plan.codec(i)
+        for head in range(plan.bits[i].shape[0]):
+            head_bits = torch.full_like(plan.bits[i], 16)
+            head_bits[head] = plan.bits[i][head]
+            one_head = MixedCodec(bits=head_bits, w=codec.w, spatial=codec.spatial, config=codec.config)
+            codecs = {other: one_head if other == layer else fp32 for other in linear_layers}
+            variants.append((f"{variant}-{bits}@{layer}.h{head}",
+                             f"{variant}-{bits} on head {head} of layer {layer} only", codecs))
+    return variants
+
+
 def run_attribution(model_name: str, bits: int, *, prefill: int, decode: int, window: int, segments: int,
-                    data: list[str], plans_dir: Path, threads: int) -> dict:
+                    data: list[str], plans_dir: Path, threads: int,
+                    heads_of_layer: int | None = None) -> dict:
     from stepquant.data import segments as cut_segments
     from stepquant.eval.probe import drift_probe
     from stepquant.models import load
@@ -82,10 +107,13 @@ def run_attribution(model_name: str, bits: int, *, prefill: int, decode: int, wi
     model, tokenizer = load(model_name)
     config = model.config.get_text_config(decoder=True)
     linear_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
-    plans = {v: load_plan(plans_dir / Path(model_name).name / f"{v}-{bits}", model.config)
+    plans = {v: load_plan(plan_path(f"{v}-{bits}", Path(model_name).name, plans_dir), model.config)
              for v in ("stepquant", "temporal")}
     variants = [("fp32", "FP32 reference", dict.fromkeys(linear_layers, make_codec("fp32")))]
-    variants += diagnostic_variants(plans, linear_layers, bits)
+    if heads_of_layer is None:
+        variants += diagnostic_variants(plans, linear_layers, bits)
+    else:
+        variants += head_variants(plans, linear_layers, bits, heads_of_layer)
     tokens = torch.cat([cut_segments(d, tokenizer, segments, prefill + decode + 1) for d in data])
     probe = drift_probe(model, tokens, [codecs for _, _, codecs in variants], prefill_len=prefill,
                         window=window, desc=f"{model_name} attribution @{bits}")
@@ -136,8 +164,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     parser.add_argument("--segments", type=int, default=1)
     parser.add_argument("--data", default=",".join(SHIPPED_STREAMS))
-    parser.add_argument("--plans-dir", default=str(DEFAULT_PLANS_DIR))
+    parser.add_argument("--plans-dir", default=str(DEFAULT_PLANS_DIR),
+                        help="plans/<model>/<variant>-<bits>/ or a `stepquant calibrate --out` folder")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--heads-of-layer", type=int, default=None, metavar="LAYER",
+                        help="instead of the standard variants: each head of this layer on its own")
     parser.add_argument("--out", default="eval_results")
     args = parser.parse_args(argv)
     defaults = QUICK if args.quick else FULL
@@ -147,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result = run_attribution(args.model, args.bits, prefill=prefill, decode=decode, window=args.window,
                              segments=args.segments, data=data, plans_dir=Path(args.plans_dir),
-                             threads=args.threads)
+                             threads=args.threads, heads_of_layer=args.heads_of_layer)
     from stepquant.eval.run import _machine
 
     settings = {"prefill": prefill, "decode": decode, "data": data, "machine": _machine(),
@@ -157,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stem = f"attribution_{Path(args.model).name}_{args.bits}"
+    if args.heads_of_layer is not None:
+        stem += f"_layer{args.heads_of_layer}_heads"
     record = {**result, "settings": settings, "command": command}
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
     text = markdown(result, command, settings)
