@@ -98,15 +98,22 @@ def _shard_range(num_heads: int, rank: int, world_size: int) -> tuple[int, int]:
     return rank * per_rank, (rank + 1) * per_rank
 
 
-def plans_from(plan, *, spatial: str = "dual_axis", config: DualAxisConfig | None = None) -> list[LayerPlan]:
-    """LayerPlans from a calibration plan object with per-layer ``bits[L][H, K]`` and ``w[L][H, K]``."""
+def plans_from(plan, *, spatial: str | None = None, config: DualAxisConfig | None = None) -> list[LayerPlan]:
+    """LayerPlans from a calibration plan object with per-layer ``bits[L][H, K]`` and ``w[L][H, K]``.
+
+    spatial and config default to the plan's own (``plan.spatial``, ``plan.quantizer``) where it has
+    them, else "dual_axis" and the library's DualAxisConfig.
+    """
     try:
         layer_bits, layer_w = plan.bits, plan.w
     except AttributeError as err:
         raise TypeError(f"plan must have per-layer bits[L][H, K] and w[L][H, K] ({err})") from err
     if len(layer_bits) != len(layer_w):
         raise ValueError(f"plan has {len(layer_bits)} bit tables but {len(layer_w)} w tables")
-    config = DualAxisConfig() if config is None else config
+    if spatial is None:
+        spatial = getattr(plan, "spatial", "dual_axis")
+    if config is None:
+        config = getattr(plan, "quantizer", None) or DualAxisConfig()
     return [
         LayerPlan(torch.as_tensor(bits), None if w is None else torch.as_tensor(w), spatial, config)
         for bits, w in zip(layer_bits, layer_w, strict=True)

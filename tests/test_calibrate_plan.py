@@ -206,3 +206,35 @@ def test_committed_plans_load_and_meet_their_budget(directory):
 def test_calibrate_cli_refuses_bad_arguments_before_running(capsys, tmp_path, argv, message):
     assert main(["calibrate", "--out", str(tmp_path), *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_pins_its_quantizer(saved_plans, tmp_path, capsys):
+    from stepquant.calibrate.plan import V1_QUANTIZER
+    from stepquant.codecs import Grid
+    from stepquant.codecs.dual_axis import DualAxisConfig
+    from stepquant.pool import plans_from
+
+    # committed plans predate the quantizer block: they load with the defaults they were calibrated with
+    shipped = Plan.load(REPO / "plans" / "kda" / "stepquant-4")
+    assert "quantizer" not in json.loads((REPO / "plans/kda/stepquant-4" / PLAN_JSON).read_text())
+    assert shipped.quantizer == V1_QUANTIZER and shipped.codec(0).config == V1_QUANTIZER
+    # a new plan records its quantizer, and its codecs and pool layers run it
+    stats = synthetic_stats(**SHIPPED_KDA, seed=2)
+    midtread = DualAxisConfig(grid=Grid.MIDTREAD, refit_iters=1)
+    plan = build_plan(stats, allocate(stats, "stepquant", 4), command="pytest", quantizer=midtread)
+    loaded = Plan.load(plan.save(tmp_path / "midtread"))
+    assert json.loads((tmp_path / "midtread" / PLAN_JSON).read_text())["quantizer"]["grid"] == "midtread"
+    assert loaded.quantizer == midtread and loaded.codec(3).config == midtread
+    assert all(layer.config == midtread and layer.spatial == "dual_axis" for layer in plans_from(loaded))
+    temporal = Plan.load(saved_plans[("kda", "temporal")])
+    assert all(layer.spatial == "absmax" for layer in plans_from(temporal))  # the plan's own format
+    states = torch.randn(1, plan.num_heads, 128, 128)
+    assert loaded.codec(0).encode(states).grid is Grid.MIDTREAD
+    # the CLI option, recorded in the plan and in its command
+    out = tmp_path / "cli"
+    stats.save(out)
+    assert main(["calibrate", "--stats", str(out), "--bits", "4", "--variant", "stepquant",
+                 "--grid", "midtread", "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    made = Plan.load(out / "stepquant-4")
+    assert made.quantizer.grid is Grid.MIDTREAD and "--grid midtread" in made.calibration["command"]

@@ -6,6 +6,9 @@ A plan directory holds
                      characters, '2'..'8' or 'P' for an FP16 pivot row), summary statistics, the
                      achieved bits/value (analytical and serving), calibration settings and the command
                      that made it, and an "integrity" block;
+  (plan.json also pins the quantizer: the DualAxisConfig the codec of every layer runs, so a plan
+  keeps quantizing the same way when the library's defaults change; plans written before the field
+  existed load with :data:`V1_QUANTIZER`, the defaults they were calibrated with.)
   plan.safetensors   the arrays: bits [L, H, K] int8, w [L, H, K], half-lives, lifetime weights lambda,
                      the d(b) table of the variant's quantizer, omega, mean log retention;
   half_life_vs_bits.png  (written by the CLI) half-life against allocated bits.
@@ -50,8 +53,8 @@ from stepquant.accounting import (
     shape_from_config,
 )
 from stepquant.codecs import MixedCodec
-from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS, check_bits_plan
-from stepquant.codecs.dual_axis import check_row_weights
+from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS, Grid, check_bits_plan
+from stepquant.codecs.dual_axis import DualAxisConfig, check_row_weights
 
 from .allocate import VARIANTS, Allocation, get_variant
 from .stats import BIT_WIDTHS, CalibrationStats, half_life_census
@@ -63,6 +66,9 @@ PLAN_ARRAYS = "plan.safetensors"
 PLAN_PLOT = "half_life_vs_bits.png"
 PIVOT_CHAR = "P"
 _EQUIVALENT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+# the quantizer of plans written before plan.json recorded one (the library defaults until then)
+V1_QUANTIZER = DualAxisConfig(grid=Grid.MIDRISE, row_stat="rms", clip=(0.6, 0.85, 0.95, 1.0, 1.0, 1.0, 1.0),
+                              refit_iters=2, step_normalised_refit=True)
 _ARRAY_NAMES = ("bits", "w", "half_lives", "lifetime", "distortion", "omega", "mean_log_retention")
 
 
@@ -210,9 +216,12 @@ class Plan:
     mean_log_retention: torch.Tensor
     calibration: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
+    quantizer: DualAxisConfig = field(default_factory=DualAxisConfig)
 
     def __post_init__(self) -> None:
         get_variant(self.variant)
+        if not isinstance(self.quantizer, DualAxisConfig):
+            raise TypeError(f"quantizer must be a DualAxisConfig, got {type(self.quantizer).__name__}")
         if self.family not in ("gdn", "kda"):
             raise ValueError(f"family must be 'gdn' or 'kda', got {self.family!r}")
         object.__setattr__(self, "linear_layers", tuple(int(i) for i in self.linear_layers))
@@ -309,7 +318,7 @@ class Plan:
                 f"i must be a linear-layer number in 0..{len(self.linear_layers) - 1}, got {i!r} "
                 "(map a model layer index with plan.layer_number)"
             )
-        return MixedCodec.from_plan(self, i, spatial=self.spatial)
+        return MixedCodec.from_plan(self, i, spatial=self.spatial, config=self.quantizer)
 
     def state_bytes(self) -> StateBytes:
         """Bytes per request of this plan in the packed layout (serving) and analytical count."""
@@ -351,6 +360,7 @@ class Plan:
             "pivots": self.pivots,
             "candidates": list(self.candidates),
             "horizon": self.horizon,
+            "quantizer": quantizer_to_json(self.quantizer),
             "bits_format": (
                 "per layer: bits of each head, 16 = FP16 pivot head"
                 if self.family == "gdn"
@@ -460,6 +470,7 @@ class Plan:
             mean_log_retention=arrays["mean_log_retention"],
             calibration=document.get("calibration", {}),
             summary=document.get("summary", {}),
+            quantizer=quantizer_from_json(document.get("quantizer"), json_path),
         )
         if model_config is not None:
             plan.check_model(model_config)
@@ -631,8 +642,34 @@ def plan_summary(stats: CalibrationStats, allocation: Allocation, top: int = 10)
     }
 
 
-def build_plan(stats: CalibrationStats, allocation: Allocation, *, command: str = "") -> Plan:
-    """A Plan from statistics and an allocation made from them (command: how it was made, for the record)."""
+def quantizer_to_json(config: DualAxisConfig) -> dict:
+    """The quantizer block of plan.json."""
+    return {"grid": config.grid.value, "row_stat": config.row_stat, "clip": list(config.clip),
+            "refit_iters": config.refit_iters, "step_normalised_refit": config.step_normalised_refit}
+
+
+def quantizer_from_json(block, where: Path | str = "plan.json") -> DualAxisConfig:
+    """The DualAxisConfig of a quantizer block; :data:`V1_QUANTIZER` for plans written without one."""
+    if block is None:
+        return V1_QUANTIZER
+    if not isinstance(block, Mapping) or set(block) != set(quantizer_to_json(V1_QUANTIZER)):
+        raise ValueError(f"{where}: the quantizer block must have the fields "
+                         f"{sorted(quantizer_to_json(V1_QUANTIZER))}, got {block!r}; recalibrate")
+    try:
+        return DualAxisConfig(grid=block["grid"], row_stat=block["row_stat"], clip=tuple(block["clip"]),
+                              refit_iters=block["refit_iters"],
+                              step_normalised_refit=block["step_normalised_refit"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(f"{where}: invalid quantizer block ({err}); recalibrate") from err
+
+
+def build_plan(stats: CalibrationStats, allocation: Allocation, *, command: str = "",
+               quantizer: DualAxisConfig | None = None) -> Plan:
+    """A Plan from statistics and an allocation made from them (command: how it was made, for the record).
+
+    quantizer: the DualAxisConfig the plan's codecs run (default: the library's defaults, the quantizer
+    the statistics' distortion table was measured with).
+    """
     if not isinstance(stats, CalibrationStats) or not isinstance(allocation, Allocation):
         raise TypeError("build_plan needs a CalibrationStats and an Allocation")
     if tuple(allocation.unit_bits.shape) != stats.unit_shape:
@@ -674,6 +711,7 @@ def build_plan(stats: CalibrationStats, allocation: Allocation, *, command: str 
         mean_log_retention=stats.mean_log_retention,
         calibration=calibration,
         summary=plan_summary(stats, allocation),
+        quantizer=DualAxisConfig() if quantizer is None else quantizer,
     )
 
 
