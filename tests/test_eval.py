@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from types import SimpleNamespace
@@ -224,3 +225,21 @@ def test_attribution_head_variants_isolate_one_head(name):
         assert torch.equal(got[:, others], states[:, others].half().float())  # the rest: FP16 cast
     with pytest.raises(ValueError, match="linear-attention layer"):
         head_variants(plans, layers, 4, 3)  # layer 3 is full attention
+
+
+def test_attribution_diagnostic_variants_change_one_thing_each():
+    from stepquant.calibrate import Plan
+    from stepquant.eval.attribution import diagnostic_variants
+    from stepquant.eval.methods import DEFAULT_PLANS_DIR
+
+    plans = {v: Plan.load(DEFAULT_PLANS_DIR / "gdn" / f"{v}-4", model_config="gdn")
+             for v in ("stepquant", "temporal")}
+    variants = {name: codecs for name, _, codecs in diagnostic_variants(plans, GDN_LINEAR, 4)}
+    assert len(variants) == 11 + 2 * len(GDN_LINEAR)  # names are unique
+    default = plans["stepquant"].codec(0).config
+    assert variants["stepquant+row-absmax"][0].config == dataclasses.replace(default, row_stat="absmax")
+    assert variants["stepquant+midtread"][0].config.grid != default.grid
+    assert all(torch.equal(variants["temporal-bits+dual"][layer].bits, plans["temporal"].bits[i])
+               for i, layer in enumerate(GDN_LINEAR))
+    one = variants["stepquant-4@4"]
+    assert one[4] is not None and all(one[i].name == "fp32" for i in GDN_LINEAR if i != 4)

@@ -1,4 +1,4 @@
-"""Error attribution: where a STEPQuant variant's excess NLL comes from (docs/eval.md, "What we learned").
+"""Error attribution: where a STEPQuant variant's excess NLL comes from (docs/eval.md section 4).
 
 Runs the drift probe of `stepquant eval` (one FP32 prefill per stream, every variant in one batched decode
 loop) on diagnostic variants built from a model's calibrated plans at one budget b:
@@ -6,7 +6,8 @@ loop) on diagnostic variants built from a model's calibrated plans at one budget
 - per layer: STEPQuant@b and temporal only@b on one linear-attention layer, FP32 elsewhere;
 - quantizer swaps with the bits held fixed: STEPQuant's bit plan under the absmax quantizer (temporal-only
   quantizer), temporal's bit plan under the dual-axis quantizer, and STEPQuant's dual-axis quantizer with
-  one knob changed at a time (midtread grid, w = 1, the plain w^2 refit, no refit, no clipping);
+  one knob changed at a time (midtread grid, w = 1, the plain w^2 refit, no refit, no clipping, absmax row
+  statistic);
 - with ``--heads-of-layer L``: STEPQuant@b and temporal only@b on each head of layer L on its own.
 
     python -m stepquant.eval.attribution --model kda --bits 4 --quick --out docs/results
@@ -65,6 +66,8 @@ def diagnostic_variants(plans: dict, linear_layers: list[int], bits: int) -> lis
          mixed(step, step_normalised_refit=False)),
         ("stepquant+no-refit", "STEPQuant, no column refit (refit_iters = 0)", mixed(step, refit_iters=0)),
         ("stepquant+no-clip", "STEPQuant, no clipping (clip_b = 1 at every width)", mixed(step, clip=1.0)),
+        ("stepquant+row-absmax", "STEPQuant, row statistic absmax instead of rms",
+         mixed(step, row_stat="absmax")),
     ]
     for i, layer in enumerate(linear_layers):
         for name, codec in ((f"stepquant-{bits}", step_codecs[i]), (f"temporal-{bits}", temporal.codec(i))):
@@ -125,6 +128,9 @@ def run_attribution(model_name: str, bits: int, *, prefill: int, decode: int, wi
             "last": float(probe.excess.last[m].mean()),
             "all": float(probe.excess.all[m].mean()),
             "stderr": float(probe.excess.stderr[m]),
+            # per-block means (stream-major, blocks of `block` predictions): paired differences between
+            # variants (same forward passes) have a smaller standard error than the two ± combined
+            "block_means": [round(float(v), 6) for v in probe.excess.block_means[m]],
         }
     return {"model": model_name, "bits": bits, "variants": rows, "seconds": probe.seconds,
             "window": probe.excess.window, "block": probe.excess.block}
