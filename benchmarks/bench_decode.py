@@ -301,7 +301,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 kwargs = dict(use_qk_l2norm=True, out=out, part=part, num_warps=args.num_warps,
                               block_rows=args.block_rows)
                 if part == "writeback":  # the split's writeback starts from the readout's u
-                    kwargs["work"] = torch.zeros_like(work_buffer(layer, batch))
+                    kwargs["work"] = work_buffer(layer, batch).zero_()
                 call = lambda s, layer=layer, x=inputs, kw=kwargs: fused_packed_decode(layer, s, *x, **kw)
                 step = rotating(call, slot_groups(layer.num_slots // batch, batch))
                 # every part reads the slots and the token's inputs; readout writes y, writeback the slots
@@ -331,7 +331,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 moved = passes * max_batch * layer.bytes_per_slot + input_bytes(*inputs)
                 kwargs = dict(use_qk_l2norm=True, num_warps=nw, block_rows=rows, part=part)
                 if part == "writeback":
-                    kwargs["work"] = torch.zeros_like(work_buffer(layer, max_batch))
+                    kwargs["work"] = work_buffer(layer, max_batch).zero_()
                 step = rotating(lambda s, x=inputs, kw=kwargs: fused_packed_decode(layer, s, *x, **kw),
                                 slot_groups(2, max_batch))
                 try:

@@ -75,11 +75,6 @@ def _div(a, b, rcp_b):
 
 
 @triton.jit
-def _add2(a0, b0, a1, b1):
-    return a0 + a1, b0 + b1
-
-
-@triton.jit
 def _add3(a0, b0, c0, a1, b1, c1):
     return a0 + a1, b0 + b1, c0 + c1
 
@@ -278,9 +273,10 @@ def _state_block(p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3,
     else:
         b_lvl = tl.zeros([8, BKB, NM], dtype=tl.float32)
         b_a = tl.zeros([BKB], dtype=tl.float32)
+        b_k = tl.zeros([BKB], dtype=tl.float32)
         p_x = x_in + ((i_n * H + i_h) * K + o_r[None, :, None]) * V + o_j[:, None, :]
         b_x = tl.load(p_x, mask=m_r[None, :, None] & m_j[:, None, :], other=0).to(tl.float32)
-    return b_x, b_lvl, b_a, o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi
+    return b_x, b_lvl, b_a, b_k, o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi
 
 
 @triton.jit
@@ -347,7 +343,7 @@ def packed_step_kernel(
     m_j = o_j < V
     m_m = o_m * 8 < V
 
-    # the head: its scale slot (-1: no scales) and flags (plane widths used | 32: one integer width)
+    # the head: its scale slot (-1: no scales) and flags (plane widths used in its low bits)
     i_hs = tl.load(plan_heads + i_h * 2)
     i_flags = tl.load(plan_heads + i_h * 2 + 1)
     i_planes = i_flags & 31
@@ -394,14 +390,12 @@ def packed_step_kernel(
         acc_k = tl.zeros([8, BKB, NM], dtype=tl.float32)
         acc_q = tl.zeros([8, BKB, NM], dtype=tl.float32)
         for kb in range(NKB):
-            _, b_lvl, b_a, o_r, m_r, _, _, _, _, _, _ = _state_block(
+            _, b_lvl, b_a, b_k, o_r, m_r, _, _, _, _, _, _ = _state_block(
                 p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
                 i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
                 IS_KDA, IS_MIDRISE, USE_UPDATE, UNIFORM_BITS)
-            i_hq = i_h // (H // HQ)
-            b_kr = tl.load(k + (i_n * HQ + i_hq) * K + o_r, mask=m_r, other=0).to(tl.float32) * f_k
             b_qr = tl.load(q + (i_n * HQ + i_hq) * K + o_r, mask=m_r, other=0).to(tl.float32) * f_q
-            acc_k += b_lvl * (b_a * b_kr)[None, :, None]
+            acc_k += b_lvl * (b_a * b_k)[None, :, None]
             acc_q += b_lvl * (b_a * b_qr)[None, :, None]
         b_hk = tl.sum(acc_k, 1) * b_c  # [8, NM]
         b_hq = tl.sum(acc_q, 1) * b_c
@@ -421,7 +415,7 @@ def packed_step_kernel(
         # ---- pass A: X, row statistic -> new row scales r (to the work buffer), column init
         b_cm = tl.zeros([8, BKB, NM], dtype=tl.float32)
         for kb in range(NKB):
-            b_x, _, _, o_r, m_r, b_bits, _, m_int, b_zero, _, b_hi = _state_block(
+            b_x, _, _, _, o_r, m_r, b_bits, _, m_int, b_zero, _, b_hi = _state_block(
                 p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
                 i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
                 IS_KDA, IS_MIDRISE, USE_UPDATE, UNIFORM_BITS)
@@ -453,7 +447,7 @@ def packed_step_kernel(
             acc_n = tl.zeros([8, BKB, NM], dtype=tl.float32)
             acc_d = tl.zeros([8, BKB, NM], dtype=tl.float32)
             for kb in range(NKB):
-                b_x, _, _, o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi = _state_block(
+                b_x, _, _, _, o_r, m_r, b_bits, b_roff, m_int, b_zero, b_lo, b_hi = _state_block(
                     p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
                     i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
                     IS_KDA, IS_MIDRISE, USE_UPDATE, UNIFORM_BITS)
