@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU check and decode benchmark in one call (H200, no internet): installs the wheels carried under
-# .whl/ (fla-core), prints versions, runs the GPU kernel tests, runs the benchmark, and leaves logs and
-# results in $OUT (default benchmarks/results): env.txt, gpu_tests.log, bench.log, bench_decode.json,
-# bench_decode.md, ncu.txt (counters of one readout, writeback and fused launch; NO_NCU=1 skips).
+# .whl/ (fla-core; transformers), prints versions, runs the GPU tests, runs the benchmark, and leaves
+# logs and results in $OUT (default benchmarks/results): env.txt, gpu_tests.log, bench.log, bench_decode.json,
+# bench_decode.md, ncu.txt (counters of one readout, writeback and fused launch; NO_NCU=1 skips;
+# NO_BENCH=1 stops after the tests).
 # Prints the benchmark's table and JSON line last.
 #
 #   OUT=/some/dir bash benchmarks/h200_run.sh          (BENCH_ARGS=--quick for a shorter benchmark)
@@ -19,6 +20,13 @@ if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -n 3
     export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
 fi
+# a package tree packed as .tgz (e.g. transformers cut down to the model families the tests load, when
+# the wheel would not fit the upload) is unpacked there too
+for tree in .whl/*.tgz; do
+    [ -e "$tree" ] || continue
+    mkdir -p /tmp/site && tar xzf "$tree" -C /tmp/site
+    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
+done
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export TRITON_INTERPRET=0  # tests/test_kernels.py would otherwise default to the CPU interpreter
 
@@ -36,11 +44,14 @@ for name in ("fla", "transformers"):
 EOF
 cat "$OUT/env.txt"
 
-echo "== GPU kernel tests (pytest -m gpu tests/test_kernels.py)"
-timeout 180 python3 -m pytest -m gpu tests/test_kernels.py -q -p no:cacheprovider -x > "$OUT/gpu_tests.log" 2>&1
+echo "== GPU tests: the kernels at real shapes, prefill through fla and the packed cache on CUDA"
+echo "   (pytest -m gpu tests/test_kernels.py tests/test_gpu_serving.py)"
+timeout -s INT ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/test_kernels.py tests/test_gpu_serving.py -q -s \
+    -p no:cacheprovider -rA > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $? (log: $OUT/gpu_tests.log)"
 tail -n 5 "$OUT/gpu_tests.log"
 
+if [ -n "${NO_BENCH:-}" ]; then exit 0; fi
 echo "== decode benchmark"
 timeout ${BENCH_TIMEOUT:-280} python3 benchmarks/bench_decode.py --out "$OUT" ${BENCH_ARGS:-} 2> "$OUT/bench.log" | tee -a "$OUT/bench.log"
 status=${PIPESTATUS[0]}

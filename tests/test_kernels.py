@@ -338,6 +338,25 @@ def test_prefill_packs_the_boundary_state(kda):
     assert not layer.codes[1].any()
 
 
+def test_prefill_rejects_bad_shapes():
+    layer = make_layer(mixed_bits(2, 16, (6,), seed=18), value_dim=16, num_slots=2, device="cpu")
+    q = torch.zeros(2, 3, 1, 16)
+    v, g, beta = torch.zeros(2, 3, 2, 16), torch.zeros(2, 3, 2), torch.zeros(2, 3, 2)
+    slots = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"q and k must have shape \[N, T, H_k, K\]"):
+        prefill_packed(layer, slots, q[0], q[0], v, g, beta)
+    with pytest.raises(ValueError, match="len\\(slots\\)"):
+        prefill_packed(layer, slots[:1], q, q, v, g, beta)
+    with pytest.raises(ValueError, match=r"v must have shape \[N, T, H, V\] = \[2, 3, 2, 16\]"):
+        prefill_packed(layer, slots, q, q, v[..., :8], g, beta)
+    with pytest.raises(ValueError, match="g must have shape"):
+        prefill_packed(layer, slots, q, q, v, g[:, :2], beta)
+    with pytest.raises(ValueError, match="beta must have shape"):
+        prefill_packed(layer, slots, q, q, v, g, beta[:, :, :1])
+    with pytest.raises(ValueError, match="multiple of q/k's 3 heads"):
+        prefill_packed(layer, slots, q.expand(2, 3, 3, 16), q.expand(2, 3, 3, 16), v, g, beta)
+
+
 # ---------------------------------------------------------------- GPU: real shapes (run on the H200)
 
 def _gpu_case(heads, key_heads, kda, num_rows, bits, spatial="dual_axis"):
