@@ -24,10 +24,11 @@ import enum
 import inspect
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -478,6 +479,26 @@ SUPPORTED_MODEL_TYPES = (
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "bf16": 2, "fp16": 2, "fp32": 4}
 
 
+def _language_model_config(config: Mapping) -> tuple[Mapping, str, Callable[[str], Any]]:
+    """(the language model's fields, its base model type, get(key) with that type's defaults) of a
+    supported config dict: the qwen3_5 wrappers hold the fields in text_config."""
+    model_type = config["model_type"]
+    if model_type in _WRAPPERS:
+        text = config.get("text_config")
+        # a flat config (no text_config) carries the language-model fields at the top level
+        config = text if isinstance(text, Mapping) else config
+        model_type = _WRAPPERS[model_type]
+    defaults = CONFIG_DEFAULTS[model_type]
+
+    def get(key: str):
+        value = config.get(key, defaults.get(key))
+        if value is None:
+            raise ValueError(f"config lacks {key!r}, needed for model_type {model_type!r}")
+        return value
+
+    return config, model_type, get
+
+
 def _layer_types(cfg: Mapping, model_type: str, get) -> list[str]:
     """layer_types as transformers 5.23 derives it when the config does not list it."""
     layer_types = cfg.get("layer_types")
@@ -537,19 +558,7 @@ def shape_from_config(config: str | Path | Mapping, name: str | None = None) -> 
         raise ValueError(f"unsupported model_type {model_type!r}; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     outer = config
-    if model_type in _WRAPPERS:
-        text = config.get("text_config")
-        # a flat config (no text_config) carries the language-model fields at the top level
-        config = text if isinstance(text, Mapping) else config
-        model_type = _WRAPPERS[model_type]
-    defaults = CONFIG_DEFAULTS[model_type]
-
-    def get(key: str):
-        value = config.get(key, defaults.get(key))
-        if value is None:
-            raise ValueError(f"config lacks {key!r}, needed for model_type {model_type!r}")
-        return value
-
+    config, model_type, get = _language_model_config(config)
     dtype = config.get("dtype") or config.get("torch_dtype") or outer.get("dtype") or outer.get("torch_dtype")
     dtype = str(dtype or "bfloat16").replace("torch.", "")
     if dtype not in _DTYPE_BYTES:

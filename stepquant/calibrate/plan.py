@@ -42,12 +42,13 @@ from safetensors.torch import save
 
 import stepquant
 from stepquant.accounting import (
-    CONFIG_DEFAULTS,
+    _WRAPPERS,
     PIVOT_REPLACES_BITS,
     SCALE_BITS,
     Mixer,
     ModelShape,
     StateBytes,
+    _language_model_config,
     _layer_types,
     plan_bytes,
     shape_from_config,
@@ -65,7 +66,6 @@ PLAN_JSON = "plan.json"
 PLAN_ARRAYS = "plan.safetensors"
 PLAN_PLOT = "half_life_vs_bits.png"
 PIVOT_CHAR = "P"
-_EQUIVALENT_TYPES = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 # the quantizer of plans written before plan.json recorded one (the library defaults until then)
 V1_QUANTIZER = DualAxisConfig(grid=Grid.MIDRISE, row_stat="rms", clip=(0.6, 0.85, 0.95, 1.0, 1.0, 1.0, 1.0),
                               refit_iters=2, step_normalised_refit=True)
@@ -127,21 +127,11 @@ def model_identity(model_config) -> ModelIdentity:
             f"directory or a shipped model name, got {type(model_config).__name__}"
         )
     shape = shape_from_config(model_config)  # validates the model type
-    model_type = model_config["model_type"]
-    text = model_config.get("text_config") if model_type in _EQUIVALENT_TYPES else None
-    config = text if isinstance(text, Mapping) else model_config
-    base_type = _EQUIVALENT_TYPES.get(model_type, model_type)
-    defaults = CONFIG_DEFAULTS[base_type]
-
-    def get(key: str):
-        value = config.get(key, defaults.get(key))
-        if value is None:
-            raise ValueError(f"config lacks {key!r}, needed for model_type {model_type!r}")
-        return value
-
+    config, base_type, get = _language_model_config(model_config)
     layer_types = _layer_types(config, base_type, get)
     linear = tuple(i for i, t in enumerate(layer_types) if t == "linear_attention")
-    return ModelIdentity(model_type, shape.mixer.value, linear, shape.heads, shape.key_dim, shape.value_dim)
+    return ModelIdentity(model_config["model_type"], shape.mixer.value, linear, shape.heads, shape.key_dim,
+                         shape.value_dim)
 
 
 # ---------------------------------------------------------------- bits <-> JSON
@@ -480,8 +470,8 @@ class Plan:
         """Raise ValueError naming the first difference between this plan and a model config."""
         model = model_identity(model_config)
         redo = _recalibrate_hint({"calibration": self.calibration})
-        plan_type = _EQUIVALENT_TYPES.get(self.model_type, self.model_type)
-        model_type = _EQUIVALENT_TYPES.get(model.model_type, model.model_type)
+        plan_type = _WRAPPERS.get(self.model_type, self.model_type)
+        model_type = _WRAPPERS.get(model.model_type, model.model_type)
         if model.family != self.family or plan_type != model_type:
             raise ValueError(
                 f"the plan is for model_type {self.model_type!r} ({self.family.upper()}) but the model is "

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from stepquant.kernels.decode import naive_unpack_states, pack_states
+from stepquant.kernels.decode.naive import check_token_inputs
 from stepquant.pool import PackedLayer
 from stepquant.recurrence import expand_key_heads, gated_delta_rule
 
@@ -50,7 +51,7 @@ def prefill_packed(
     g [N, T, H] (GDN) or [N, T, H, K] (KDA) log decays; beta [N, T, H]. from_state=False starts from the
     zero state (a new request) instead of the slot's current state. use_fla: None = when available.
     """
-    _check_chunk_inputs(layer, slots, q, k, v, g, beta)
+    check_token_inputs(layer, slots, q, k, v, g, beta, chunk=True)
     mode = "kda" if g.dim() == 4 else "gdn"
     out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     active = torch.nonzero(slots.to(torch.int64) >= 0).flatten()
@@ -77,24 +78,3 @@ def prefill_packed(
     pack_states(layer, slot_ids.to(torch.int32).to(layer.device), final.to(torch.float32))
     out[rows] = o.to(out.dtype)
     return out
-
-
-def _check_chunk_inputs(layer: PackedLayer, slots, q, k, v, g, beta) -> None:
-    heads, key_dim, value_dim = layer.num_heads, layer.key_dim, layer.value_dim
-    if slots.dim() != 1:
-        raise ValueError(f"slots must be one slot index per request, shape [N]; got {list(slots.shape)}")
-    rows = slots.shape[0]
-    if q.dim() != 4 or q.shape[0] != rows or q.shape[3] != key_dim or k.shape != q.shape:
-        raise ValueError(f"q and k must have shape [N, T, H_k, K] with N={rows} (len(slots)), K={key_dim}; "
-                         f"got {list(q.shape)} and {list(k.shape)}")
-    length = q.shape[1]
-    if heads % q.shape[2] != 0:
-        raise ValueError(f"the layer's {heads} value heads must be a multiple of q/k's {q.shape[2]} heads")
-    if tuple(v.shape) != (rows, length, heads, value_dim):
-        raise ValueError(f"v must have shape [N, T, H, V] = {[rows, length, heads, value_dim]}, "
-                         f"got {list(v.shape)}")
-    if tuple(g.shape) not in ((rows, length, heads), (rows, length, heads, key_dim)):
-        raise ValueError(f"g must have shape [N, T, H] (GDN) or [N, T, H, K] (KDA) = "
-                         f"{[rows, length, heads]} / {[rows, length, heads, key_dim]}, got {list(g.shape)}")
-    if tuple(beta.shape) != (rows, length, heads):
-        raise ValueError(f"beta must have shape [N, T, H] = {[rows, length, heads]}, got {list(beta.shape)}")

@@ -38,6 +38,8 @@ from triton.language.extra import libdevice
 from stepquant.codecs.base import Grid
 from stepquant.pool import PackedLayer
 
+from .naive import check_token_inputs
+
 # 1.5 * 2^23: adding it rounds an FP32 |x| < 2^22 to an integer, half to even (round-to-nearest).
 MAGIC_RINT = tl.constexpr(12582912.0)
 # 2^23: code | 0x4B000000 reinterpreted as FP32 is 2^23 + code.
@@ -658,7 +660,7 @@ def fused_packed_decode(
     were computed against. num_warps, block_rows (key rows per tile) and planes (plane widths compiled
     in; default those the plan uses) are tuning knobs.
     """
-    _check_inputs(layer, slots, q, k, v, g, beta)
+    check_token_inputs(layer, slots, q, k, v, g, beta)
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
@@ -723,19 +725,3 @@ def fused_pack_states(
     dummy = layer.row_winv
     _launch(layer, slots.to(torch.int32).contiguous(), dummy, dummy, dummy, dummy, dummy, dummy, states,
             scale=1.0, use_qk_l2norm=False, use_update=False, debug=debug, num_warps=num_warps)
-
-
-def _check_inputs(layer, slots, q, k, v, g, beta) -> None:
-    num_rows = slots.shape[0]
-    heads, key_dim, value_dim = layer.num_heads, layer.key_dim, layer.value_dim
-    if q.dim() != 3 or q.shape[0] != num_rows or q.shape[2] != key_dim or k.shape != q.shape:
-        raise ValueError(f"q and k must have shape [N, H_k, K] with N={num_rows}, K={key_dim}; "
-                         f"got {list(q.shape)} and {list(k.shape)}")
-    if heads % q.shape[1] != 0:
-        raise ValueError(f"the layer's {heads} value heads must be a multiple of q/k's {q.shape[1]} heads")
-    if tuple(v.shape) != (num_rows, heads, value_dim):
-        raise ValueError(f"v must have shape [N, H, V] = {[num_rows, heads, value_dim]}, got {list(v.shape)}")
-    if tuple(g.shape) not in ((num_rows, heads), (num_rows, heads, key_dim)):
-        raise ValueError(f"g must have shape [N, H] (GDN) or [N, H, K] (KDA), got {list(g.shape)}")
-    if tuple(beta.shape) != (num_rows, heads):
-        raise ValueError(f"beta must have shape [N, H] = {[num_rows, heads]}, got {list(beta.shape)}")

@@ -71,3 +71,27 @@ def naive_pack_states(layer: PackedLayer, slots: torch.Tensor, states: torch.Ten
 def naive_unpack_states(layer: PackedLayer, slots: torch.Tensor) -> torch.Tensor:
     """FP32 states [N, H, K, V] of ``slots`` (every index must be a valid slot)."""
     return unpack(layer.gather(slots.to(torch.int64))).dequantize()
+
+
+def check_token_inputs(layer: PackedLayer, slots: torch.Tensor, q, k, v, g, beta, *,
+                       chunk: bool = False) -> None:
+    """ValueError naming the argument and its shape unless the inputs fit ``layer`` and the rows of
+    ``slots``: one decode token (q, k [N, H_k, K]) or, with chunk=True, T tokens (q, k [N, T, H_k, K])."""
+    heads, key_dim, value_dim = layer.num_heads, layer.key_dim, layer.value_dim
+    if slots.dim() != 1:
+        raise ValueError(f"slots must be one slot index per request, shape [N]; got {list(slots.shape)}")
+    rows, dims = slots.shape[0], "N, T" if chunk else "N"
+    if q.dim() != (4 if chunk else 3) or q.shape[0] != rows or q.shape[-1] != key_dim or k.shape != q.shape:
+        raise ValueError(f"q and k must have shape [{dims}, H_k, K] with N={rows} (len(slots)), K={key_dim}; "
+                         f"got {list(q.shape)} and {list(k.shape)}")
+    lead = list(q.shape[:-2])
+    if heads % q.shape[-2] != 0:
+        raise ValueError(f"the layer's {heads} value heads must be a multiple of q/k's {q.shape[-2]} heads")
+    if list(v.shape) != [*lead, heads, value_dim]:
+        raise ValueError(f"v must have shape [{dims}, H, V] = {[*lead, heads, value_dim]}, "
+                         f"got {list(v.shape)}")
+    if list(g.shape) not in ([*lead, heads], [*lead, heads, key_dim]):
+        raise ValueError(f"g must have shape [{dims}, H] (GDN) or [{dims}, H, K] (KDA) = {[*lead, heads]} / "
+                         f"{[*lead, heads, key_dim]}, got {list(g.shape)}")
+    if list(beta.shape) != [*lead, heads]:
+        raise ValueError(f"beta must have shape [{dims}, H] = {[*lead, heads]}, got {list(beta.shape)}")
