@@ -68,7 +68,7 @@ PLAN_PLOT = "half_life_vs_bits.png"
 PIVOT_CHAR = "P"
 # the quantizer of plans written before plan.json recorded one (the library defaults until then)
 V1_QUANTIZER = DualAxisConfig(grid=Grid.MIDRISE, row_stat="rms", clip=(0.6, 0.85, 0.95, 1.0, 1.0, 1.0, 1.0),
-                              refit_iters=2, step_normalised_refit=True)
+                              refit_iters=2, step_normalised_refit=True, division="exact")
 _ARRAY_NAMES = ("bits", "w", "half_lives", "lifetime", "distortion", "omega", "mean_log_retention")
 
 
@@ -635,20 +635,28 @@ def plan_summary(stats: CalibrationStats, allocation: Allocation, top: int = 10)
 def quantizer_to_json(config: DualAxisConfig) -> dict:
     """The quantizer block of plan.json."""
     return {"grid": config.grid.value, "row_stat": config.row_stat, "clip": list(config.clip),
-            "refit_iters": config.refit_iters, "step_normalised_refit": config.step_normalised_refit}
+            "refit_iters": config.refit_iters, "step_normalised_refit": config.step_normalised_refit,
+            "division": config.division}
 
 
 def quantizer_from_json(block, where: Path | str = "plan.json") -> DualAxisConfig:
-    """The DualAxisConfig of a quantizer block; :data:`V1_QUANTIZER` for plans written without one."""
+    """The DualAxisConfig of a quantizer block; :data:`V1_QUANTIZER` for plans written without one.
+
+    Blocks written before "division" existed divided exactly (V1_QUANTIZER's value).
+    """
     if block is None:
         return V1_QUANTIZER
-    if not isinstance(block, Mapping) or set(block) != set(quantizer_to_json(V1_QUANTIZER)):
+    fields = set(quantizer_to_json(V1_QUANTIZER))
+    if isinstance(block, Mapping) and "division" not in block:
+        block = {**block, "division": V1_QUANTIZER.division}
+    if not isinstance(block, Mapping) or set(block) != fields:
         raise ValueError(f"{where}: the quantizer block must have the fields "
-                         f"{sorted(quantizer_to_json(V1_QUANTIZER))}, got {block!r}; recalibrate")
+                         f"{sorted(fields)}, got {block!r}; recalibrate")
     try:
         return DualAxisConfig(grid=block["grid"], row_stat=block["row_stat"], clip=tuple(block["clip"]),
                               refit_iters=block["refit_iters"],
-                              step_normalised_refit=block["step_normalised_refit"])
+                              step_normalised_refit=block["step_normalised_refit"],
+                              division=block["division"])
     except (TypeError, ValueError) as err:
         raise ValueError(f"{where}: invalid quantizer block ({err}); recalibrate") from err
 

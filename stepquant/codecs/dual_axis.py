@@ -88,6 +88,8 @@ DEFAULT_ROW_STAT = "rms"
 DEFAULT_CLIP = (0.6, 0.85, 0.95, 1.0, 1.0, 1.0, 1.0)  # clip_b for b = 2..8
 DEFAULT_REFIT_ITERS = 2
 DEFAULT_STEP_NORMALISED_REFIT = True  # changes only heads with mixed bit widths
+DIVISIONS = ("exact", "reciprocal")
+DEFAULT_DIVISION = "exact"
 
 
 def _normalise_clip(clip) -> tuple[float, ...]:
@@ -122,6 +124,10 @@ class DualAxisConfig:
     step_normalised_refit: weight row i's refit error by w_i^2 (gain_ref / gain_b(i))^2 instead of w_i^2,
                  i.e. in units of the row's own step (:func:`refit_weights`); only changes heads with
                  mixed bit widths (see the module docstring)
+    division:    "exact": Y = X / r and codes of Y / c by true FP32 division, refit numerator
+                 sum v r z X (the first quantizer); "reciprocal": Y = X * (1 / r) and Y * (1 / c), each
+                 reciprocal correctly rounded once per row / column, refit numerator sum (v r^2 z) Y (one
+                 multiply per value instead of a division: what the fast decode kernel computes)
     """
 
     grid: Grid = DEFAULT_GRID
@@ -129,6 +135,7 @@ class DualAxisConfig:
     clip: tuple[float, ...] = DEFAULT_CLIP
     refit_iters: int = DEFAULT_REFIT_ITERS
     step_normalised_refit: bool = DEFAULT_STEP_NORMALISED_REFIT
+    division: str = DEFAULT_DIVISION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", parse_grid(self.grid))
@@ -140,6 +147,8 @@ class DualAxisConfig:
             raise ValueError(f"refit_iters must be an int >= 0, got {self.refit_iters!r}")
         if not isinstance(self.step_normalised_refit, bool):
             raise TypeError(f"step_normalised_refit must be a bool, got {self.step_normalised_refit!r}")
+        if self.division not in DIVISIONS:
+            raise ValueError(f"division must be one of {list(DIVISIONS)}, got {self.division!r}")
 
     def clip_for(self, bits: int) -> float:
         return self.clip[check_bits(bits) - MIN_BITS]
@@ -269,21 +278,30 @@ def dual_axis_iterates(
     m = row_statistic(x, config.row_stat)  # [N, H, K]
     r = fp16_scale(torch.sqrt(m) * factor)  # [N, H, K]
     r = torch.where(is_int, r, torch.ones_like(r))
+    reciprocal = config.division == "reciprocal"
+
+    def divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # "reciprocal": a * fl(1 / b), one correctly rounded reciprocal per scale
+        return a * (1.0 / b) if reciprocal else a / b
+
     # step 3: column init on the row-normalised state
-    y = x / r[..., None]  # [N, H, K, V]
+    y = divide(x, r[..., None])  # [N, H, K, V]
     c_init = torch.where(b_int, y.abs() * row_gain[None, :, :, None], torch.zeros_like(y)).amax(dim=2)
     c = fp16_scale(c_init)  # [N, H, V]
     # step 4: codes
-    codes = round_to_codes(y / c[:, :, None, :], b_bits, grid)  # [N, H, K, V]
+    codes = round_to_codes(divide(y, c[:, :, None, :]), b_bits, grid)  # [N, H, K, V]
     yield emit(codes, c)
     # step 5: weighted least-squares refits of c with the codes fixed
     w2r = w2[None] * r  # [N, H, K]
     w2r2 = w2r * r
     for iteration in range(config.refit_iters):
         if iteration > 0:  # codes against the previous refit (never after the last one)
-            codes = round_to_codes(y / c[:, :, None, :], b_bits, grid)
+            codes = round_to_codes(divide(y, c[:, :, None, :]), b_bits, grid)
         z = torch.where(b_int, code_levels(codes, b_bits, grid), torch.zeros_like(x))  # [N, H, K, V]
-        numerator = torch.einsum("nhk,nhkv->nhv", w2r, z * x)
+        if reciprocal:  # (v r^2 z) Y: the product the kernel shares between both sums
+            numerator = ((w2r2[..., None] * z) * y).sum(dim=2)
+        else:
+            numerator = torch.einsum("nhk,nhkv->nhv", w2r, z * x)
         denominator = torch.einsum("nhk,nhkv->nhv", w2r2, z * z)
         c = fp16_scale(torch.where(denominator > 0, numerator / denominator, c))
         yield emit(codes, c)
