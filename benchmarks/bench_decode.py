@@ -6,10 +6,13 @@ What is timed, per model shape and batch B (K = V = 128):
   fused_recurrent_gated_delta_rule, out of place; KDA: fused_recurrent_kda, out of place), fla's
   in-place continuous-batching kernel (fused_recurrent_kda_fwd with ssm_state_indices; a GDN gate is
   broadcast over K, which is the same math) on an FP32 and on a BF16 slot pool.
-- ours: the fused packed-state kernel at 4, 6 and 8 bits with plans shaped like shipped ones (GDN: head
-  widths around b plus ~1.4% FP16 pivot heads; KDA: mixed row widths plus 0.625% FP16 pivot rows), the
-  paper's split variant (readout alone = the latency on the token's critical path; writeback alone),
-  dual-axis without the column refit, and uniform rowwise absmax INT-b (the paper's baseline).
+- ours, at 4, 6 and 8 bits with plans shaped like shipped ones (GDN: head widths around b plus ~1.4% FP16
+  pivot heads; KDA: mixed row widths plus 0.625% FP16 pivot rows): the CUDA kernel (packed_step.cu) with
+  the reciprocal quantizer and one refit and with the committed plans' quantizer (exact division, two
+  refits); the paper's split (readout alone = the latency on the token's critical path; writeback alone);
+  the Triton kernel (fused.py); uniform rowwise absmax INT-b (the paper's baseline).
+- at batches up to --graph-below, the fused steps and fla's kernel also replayed from a CUDA graph
+  ("[graph]" rows): the GPU time without Python's launch overhead, as a captured serving step runs.
 
 Each time is triton.testing.do_bench's median (it flushes the L2 before every call; slots also rotate
 over a pool several times the L2 size). Bytes moved count what the step must read and write: the
@@ -17,7 +20,7 @@ states of the B slots (packed pages, or FP32/BF16) plus q, k, v, g, beta read an
 bandwidth is compared with a device-to-device copy measured in the same run (read + write counted).
 
     python benchmarks/bench_decode.py --out benchmarks/results   # full run (a few minutes on an H200)
-    python benchmarks/bench_decode.py --quick                     # B in {32, 512}, 6 bits
+    python benchmarks/bench_decode.py --quick                     # B in {32, 512}, 4 and 6 bits
     python benchmarks/bench_decode.py --dry-run                   # CPU, Triton interpreter, tiny shapes
 
 Prints a table last, then one JSON line; with --out writes bench_decode.json and bench_decode.md.
@@ -46,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stepquant.codecs.base import PIVOT_BITS  # noqa: E402
 from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
-from stepquant.kernels.decode import PARTS, fused_packed_decode, naive_packed_decode  # noqa: E402
+from stepquant.kernels.decode import cuda, fused_packed_decode, naive_packed_decode  # noqa: E402
 from stepquant.kernels.decode.fused import work_buffer  # noqa: E402
 from stepquant.packing import unpack  # noqa: E402
 from stepquant.pool import LayerPlan, PackedLayer  # noqa: E402
@@ -99,11 +102,15 @@ def synthetic_plan(model: str, bits: int, heads: int, seed: int = 0) -> torch.Te
     return row_bits[torch.randperm(rows, generator=gen)].reshape(heads, KEY_DIM).to(torch.int8)
 
 
-def make_layer(bits: torch.Tensor, spatial: str, num_slots: int, refit_iters: int | None = None,
+# the quantizers timed: the committed plans' (exact division, two refits) and the kernel's contract
+EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)
+RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
+
+
+def make_layer(bits: torch.Tensor, spatial: str, num_slots: int, config: DualAxisConfig = EXACT_2,
                seed: int = 0) -> PackedLayer:
     gen = torch.Generator().manual_seed(seed)
     w = torch.exp(0.5 * torch.randn(bits.shape, generator=gen))  # row-impact factors, log-normal
-    config = DualAxisConfig() if refit_iters is None else DualAxisConfig(refit_iters=refit_iters)
     layer = PackedLayer(LayerPlan(bits, w, spatial, config), num_slots, VALUE_DIM, DEVICE)
     fill_random(layer, seed)
     return layer
@@ -165,6 +172,22 @@ def bench(fn, warmup: int, rep: int) -> float:
     from triton.testing import do_bench
 
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def bench_graph(call, choices: list, warmup: int, rep: int, steps: int = 8) -> float:
+    """ms per call of ``call(choice)`` replayed from a CUDA graph of ``steps`` calls over ``choices``: the
+    GPU time of a step without the Python launch overhead, as a serving engine's captured decode runs it."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compilation, allocations) outside the capture
+        for choice in choices[:2]:
+            call(choice)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(steps):
+            call(choices[i % len(choices)])
+    return bench(graph.replay, warmup, rep) / steps
 
 
 def copy_bandwidth(warmup: int, rep: int, size: int = 2**30) -> float:
@@ -271,6 +294,10 @@ def run_fla(name: str, spec: dict, args, fla: Fla, rec: Recorder) -> None:
                 step = rotating(lambda h, t=prepared: fla.own_step(kda, h, t), states)
                 try:
                     rec.add(name, f"fla {name} fp32", tag, batch, bench(step, args.warmup, args.rep), moved)
+                    if batch <= args.graph_below and DEVICE == "cuda":
+                        ms = bench_graph(lambda h, t=prepared: fla.own_step(kda, h, t), states, args.warmup,
+                                         args.rep)
+                        rec.add(name, f"fla {name} fp32 [graph]", tag, batch, ms, moved)
                 except Exception as err:
                     log(f"  fla {name} fp32 failed: {err!r}")
                 del states
@@ -282,86 +309,85 @@ def run_fla(name: str, spec: dict, args, fla: Fla, rec: Recorder) -> None:
 def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
     heads, key_heads, kda = spec["heads"], spec["key_heads"], spec["kda"]
     max_batch = max(args.batches)
+    use_cuda = DEVICE == "cuda" and cuda.nvcc_path() is not None
     for bits in args.bits:
         plan = synthetic_plan(name, bits, heads)
         uniform = torch.full((heads, KEY_DIM), bits, dtype=torch.int8)
-        todo = [("stepquant fused", "dual_axis", None, "fused")]
+        # (variant, spatial, quantizer, part, backend)
+        todo = [("cuda fused (reciprocal, 1 refit)", "dual_axis", RECIPROCAL_1, "fused", "cuda"),
+                ("cuda fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "cuda")]
         if bits in args.split_bits:
-            todo += [("stepquant readout (split)", "dual_axis", None, "readout"),
-                     ("stepquant writeback (split)", "dual_axis", None, "writeback"),
-                     ("stepquant fused, no refit", "dual_axis", 0, "fused")]
-        todo += [("rowwise absmax INT", "absmax", None, "fused")]
-        for variant, spatial, refit, part in todo:
+            todo += [("cuda readout (split)", "dual_axis", RECIPROCAL_1, "readout", "cuda"),
+                     ("cuda writeback (split)", "dual_axis", RECIPROCAL_1, "writeback", "cuda"),
+                     ("triton fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "triton")]
+        todo += [("cuda rowwise absmax INT", "absmax", EXACT_2, "fused", "cuda")]
+        for variant, spatial, config, part, backend in todo:
+            if backend == "cuda" and not use_cuda:
+                continue
             table = uniform if spatial == "absmax" else plan
             slot_bytes = PackedLayer(LayerPlan(table, None, spatial), 1, VALUE_DIM).bytes_per_slot
-            layer = make_layer(table, spatial, rotation_groups(max_batch * slot_bytes) * max_batch, refit)
+            layer = make_layer(table, spatial, rotation_groups(max_batch * slot_bytes) * max_batch, config)
             for batch in args.batches:
                 inputs = token_inputs(batch, heads, key_heads, kda)
-                out = torch.empty(batch, heads, VALUE_DIM, device=DEVICE, dtype=torch.bfloat16)
-                kwargs = dict(use_qk_l2norm=True, out=out, part=part, num_warps=args.num_warps,
-                              block_rows=args.block_rows)
-                if part == "writeback":  # the split's writeback starts from the readout's u
-                    kwargs["work"] = work_buffer(layer, batch).zero_()
-                call = lambda s, layer=layer, x=inputs, kw=kwargs: fused_packed_decode(layer, s, *x, **kw)
-                step = rotating(call, slot_groups(layer.num_slots // batch, batch))
+                out = torch.empty(batch, heads, VALUE_DIM, device=DEVICE, dtype=torch.float32)
+                kwargs = dict(use_qk_l2norm=True, out=out, part=part)
+                if backend == "cuda":
+                    if part != "fused":  # the split: the readout leaves u in work, the writeback starts from it
+                        kwargs["work"] = torch.zeros(batch, heads, VALUE_DIM, device=DEVICE)
+                    call = lambda s, layer=layer, x=inputs, kw=kwargs: cuda.packed_decode(layer, s, *x, **kw)
+                else:
+                    if part == "writeback":
+                        kwargs["work"] = work_buffer(layer, batch).zero_()
+                    call = lambda s, layer=layer, x=inputs, kw=kwargs: fused_packed_decode(layer, s, *x, **kw)
+                groups = slot_groups(layer.num_slots // batch, batch)
                 # every part reads the slots and the token's inputs; readout writes y, writeback the slots
                 moved = input_bytes(*inputs) + batch * slot_bytes
                 if part == "writeback":
                     moved -= out.numel() * out.element_size()
                 if part != "readout":
                     moved += batch * slot_bytes
+                extra = dict(part=part, backend=backend, quantizer=f"{config.division}/{config.refit_iters}",
+                             bits_per_value=slot_bytes * 8 / (heads * KEY_DIM * VALUE_DIM))
                 try:
-                    ms = bench(step, args.warmup, args.rep)
+                    rec.add(name, variant, bits, batch, bench(rotating(call, groups), args.warmup, args.rep),
+                            moved, **extra)
+                    if batch <= args.graph_below and DEVICE == "cuda" and part == "fused":
+                        ms = bench_graph(call, groups, args.warmup, args.rep)
+                        rec.add(name, variant + " [graph]", bits, batch, ms, moved, **extra)
                 except Exception:
                     log(traceback.format_exc())
-                    continue
-                rec.add(name, variant, bits, batch, ms, moved, part=part, num_warps=args.num_warps,
-                        block_rows=args.block_rows,
-                        bits_per_value=slot_bytes * 8 / (heads * KEY_DIM * VALUE_DIM))
             del layer
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
-    if args.sweep:  # tuning: (num_warps, block_rows) per part at the largest batch
-        layer = make_layer(synthetic_plan(name, args.sweep_bits, heads), "dual_axis", 2 * max_batch)
-        inputs = token_inputs(max_batch, heads, key_heads, kda)
-        for config in args.sweep:
-            nw, rows = (int(x) for x in config.split(":"))
-            for part in args.sweep_parts:
-                passes = 1 if part == "readout" else 2
-                moved = passes * max_batch * layer.bytes_per_slot + input_bytes(*inputs)
-                kwargs = dict(use_qk_l2norm=True, num_warps=nw, block_rows=rows, part=part)
-                if part == "writeback":
-                    kwargs["work"] = work_buffer(layer, max_batch).zero_()
-                step = rotating(lambda s, x=inputs, kw=kwargs: fused_packed_decode(layer, s, *x, **kw),
-                                slot_groups(2, max_batch))
-                try:
-                    rec.add(name, f"sweep {part} nw={nw} rows={rows}", args.sweep_bits, max_batch,
-                            bench(step, args.warmup, args.rep), moved, num_warps=nw, block_rows=rows,
-                            part=part, sweep=True)
-                except Exception as err:
-                    log(f"  {part} num_warps={nw} block_rows={rows} failed: {err!r}")
 
 
-def check(name: str, spec: dict) -> dict:
-    """Fused vs torch reference on a small batch: relative RMS of y and of the new states."""
+def check(name: str, spec: dict) -> list[dict]:
+    """Each kernel vs the torch reference on a small batch: relative RMS of y and of the new states."""
     heads, key_heads, kda = spec["heads"], spec["key_heads"], spec["kda"]
-    layer = make_layer(synthetic_plan(name, 6, heads), "dual_axis", 8)
-    twin = PackedLayer(layer.plan, 8, VALUE_DIM, DEVICE)
-    for a, b in zip(twin.tensors(), layer.tensors(), strict=True):
-        a.copy_(b)
-    slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=DEVICE)
-    inputs = token_inputs(4, heads, key_heads, kda, seed=1)
-    y = torch.zeros(4, heads, VALUE_DIM, device=DEVICE)  # FP32 outputs: no BF16 rounding in the check
-    y_ref = torch.zeros_like(y)
-    fused_packed_decode(layer, slots, *inputs, use_qk_l2norm=True, out=y)
-    naive_packed_decode(twin, slots, *inputs, use_qk_l2norm=True, out=y_ref)
-    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
-    index = torch.tensor([5, 0, 3])
-    got, want = unpack(layer.gather(index)), unpack(twin.gather(index))
-    return dict(model=name, y_rel_rms=rel(y[[0, 2, 3]], y_ref[[0, 2, 3]]),
-                state_rel_rms=rel(got.dequantize(), want.dequantize()),
-                codes_equal_fraction=float((got.codes == want.codes).float().mean()),
-                row_scales_equal_fraction=float((got.row_scale == want.row_scale).float().mean()))
+    kernels = [("triton", EXACT_2, fused_packed_decode)]
+    if DEVICE == "cuda" and cuda.nvcc_path() is not None:
+        kernels += [("cuda", EXACT_2, cuda.packed_decode), ("cuda", RECIPROCAL_1, cuda.packed_decode)]
+    results = []
+    for backend, config, fn in kernels:
+        layer = make_layer(synthetic_plan(name, 6, heads), "dual_axis", 8, config)
+        twin = PackedLayer(layer.plan, 8, VALUE_DIM, DEVICE)
+        for a, b in zip(twin.tensors(), layer.tensors(), strict=True):
+            a.copy_(b)
+        slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=DEVICE)
+        inputs = token_inputs(4, heads, key_heads, kda, seed=1)
+        y = torch.zeros(4, heads, VALUE_DIM, device=DEVICE)  # FP32 outputs: no BF16 rounding in the check
+        y_ref = torch.zeros_like(y)
+        fn(layer, slots, *inputs, use_qk_l2norm=True, out=y)
+        naive_packed_decode(twin, slots, *inputs, use_qk_l2norm=True, out=y_ref)
+        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+        index = torch.tensor([5, 0, 3])
+        got, want = unpack(layer.gather(index)), unpack(twin.gather(index))
+        results.append(dict(model=name, backend=backend, quantizer=f"{config.division}/{config.refit_iters}",
+                            y_rel_rms=rel(y[[0, 2, 3]], y_ref[[0, 2, 3]]),
+                            state_rel_rms=rel(got.dequantize(), want.dequantize()),
+                            codes_equal_fraction=float((got.codes == want.codes).float().mean()),
+                            row_scales_equal_fraction=float((got.row_scale == want.row_scale).float().mean())))
+    return results
 
 
 def markdown(result: dict) -> str:
@@ -379,7 +405,7 @@ def markdown(result: dict) -> str:
             lines.append(f"| {r['variant']} | {r['bits']} | {r['batch']} | {r['ms']:.4f} | {r['tbps']:.2f} | "
                          f"{100 * r['copy_fraction']:.0f}% | {speedup} |")
         lines.append("")
-    lines += ["## checks (fused kernel vs torch reference, 6-bit plan)", ""]
+    lines += ["## checks (each kernel vs the torch reference, 6-bit plan)", ""]
     lines += [f"- {json.dumps(c)}" for c in result["checks"]]
     return "\n".join(lines) + "\n"
 
@@ -408,29 +434,23 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="32,64,128,256,512", help="comma list of batch sizes")
     parser.add_argument("--bits", default="4,6,8", help="comma list of nominal bit budgets")
     parser.add_argument("--split-bits", default="6", help="budgets also timed split and without refit")
-    parser.add_argument("--num-warps", type=int, default=None, help="warps per program (default: kernel's)")
-    parser.add_argument("--block-rows", type=int, default=None, help="key rows per tile (default: kernel's)")
-    parser.add_argument("--sweep", default="1:8,2:8,4:16",
-                        help="num_warps:block_rows pairs timed per part at the largest B ('' skips)")
-    parser.add_argument("--sweep-bits", type=int, default=6, help="budget of the sweep")
-    parser.add_argument("--sweep-parts", default=",".join(PARTS), help="parts timed in the sweep")
+    parser.add_argument("--graph-below", type=int, default=64,
+                        help="also time fused steps replayed from a CUDA graph at batches up to this")
     parser.add_argument("--warmup", type=int, default=10, help="do_bench warm-up time (ms)")
     parser.add_argument("--rep", type=int, default=40, help="do_bench measuring time (ms)")
     parser.add_argument("--no-fla", action="store_true", help="skip the fla baselines")
-    parser.add_argument("--quick", action="store_true", help="B in {32, 512}, 6 bits, no num_warps sweep")
+    parser.add_argument("--quick", action="store_true", help="B in {32, 512}, 4 and 6 bits")
     parser.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes")
     args = parser.parse_args(argv)
     ints = lambda s: [int(x) for x in s.split(",") if x]
     args.models = [m for m in args.models.split(",") if m]
     args.batches, args.bits, args.split_bits = ints(args.batches), ints(args.bits), ints(args.split_bits)
-    args.sweep = [c for c in args.sweep.split(",") if c]
-    args.sweep_parts = [p for p in args.sweep_parts.split(",") if p]
     models = {m: dict(MODELS[m]) for m in args.models}
     if args.quick:
-        args.batches, args.bits, args.sweep = [32, 512], [6], []
+        args.batches, args.bits = [32, 512], [4, 6]
     if args.dry_run:  # every code path, tiny: 2 heads of 16 x 16, two batch sizes
         DEVICE, KEY_DIM, VALUE_DIM = "cpu", 16, 16
-        args.batches, args.bits, args.sweep, args.no_fla = [2, 3], [6], ["2:8"], True
+        args.batches, args.bits, args.no_fla = [2, 3], [6], True
         for spec in models.values():
             spec.update(heads=2, key_heads=1 if not spec["kda"] else 2)
     elif not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
@@ -463,7 +483,7 @@ def main(argv=None) -> int:
 
     for name, spec in models.items():
         try:
-            checks.append(check(name, spec))
+            checks.extend(check(name, spec))
         except Exception:
             log(traceback.format_exc())
             checks.append(dict(model=name, error=traceback.format_exc(limit=2)))
@@ -473,8 +493,9 @@ def main(argv=None) -> int:
         result = snapshot()
     print(summary_table(result))
     big = max(args.batches)
-    headline = {f"{r['model']}_{r['bits']}b_ms": round(r["ms"], 5) for r in rec.rows
-                if r["batch"] == big and r["variant"] == "stepquant fused"}
+    headline = {f"{r['model']}_{r['bits']}b_{r['quantizer'].replace('/', '')}_ms": round(r["ms"], 5)
+                for r in rec.rows if r["batch"] == big and r["variant"].startswith("cuda fused")
+                and "[graph]" not in r["variant"]}
     headline.update({f"{r['model']}_fla_fp32_ms": round(r["ms"], 5) for r in rec.rows
                      if r["batch"] == big and r["variant"] == f"fla {r['model']} fp32"})
     print(json.dumps(dict(bench="decode", gpu=gpu, batch=big, copy_tbps=round(copy_bps / 1e12, 3), **headline,

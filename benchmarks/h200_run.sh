@@ -29,6 +29,7 @@ for tree in .whl/*.tgz; do
 done
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export TRITON_INTERPRET=0  # tests/test_kernels.py would otherwise default to the CPU interpreter
+export STEPQUANT_KERNEL_CACHE="${STEPQUANT_KERNEL_CACHE:-$PWD/.kcache}"
 
 python3 - > "$OUT/env.txt" 2>&1 <<'EOF'
 import platform, torch, triton
@@ -44,10 +45,15 @@ for name in ("fla", "transformers"):
 EOF
 cat "$OUT/env.txt"
 
+echo "== CUDA decode kernel: nvcc builds of every configuration the tests and the benchmark use"
+timeout ${BUILD_TIMEOUT:-240} python3 benchmarks/build_cuda.py --jobs "$(nproc)" > "$OUT/build_cuda.log" 2>&1
+echo "build exit $? (log: $OUT/build_cuda.log)"
+tail -n 1 "$OUT/build_cuda.log"
+
 echo "== GPU tests: the kernels at real shapes, prefill through fla and the packed cache on CUDA"
-echo "   (pytest -m gpu tests/test_kernels.py tests/test_gpu_serving.py)"
-timeout -s INT ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/test_kernels.py tests/test_gpu_serving.py -q -s \
-    -p no:cacheprovider -rA > "$OUT/gpu_tests.log" 2>&1
+echo "   (pytest -m gpu tests/test_cuda_kernel.py tests/test_kernels.py tests/test_gpu_serving.py)"
+timeout -s INT ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/test_cuda_kernel.py tests/test_kernels.py \
+    tests/test_gpu_serving.py -q -s -p no:cacheprovider -rA > "$OUT/gpu_tests.log" 2>&1
 echo "pytest exit $? (log: $OUT/gpu_tests.log)"
 tail -n 5 "$OUT/gpu_tests.log"
 

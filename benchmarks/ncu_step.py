@@ -1,10 +1,11 @@
-"""Launch the packed decode kernel a few times at one real shape, for a hardware-counter profile.
+"""Launch the CUDA packed decode kernel a few times at one real shape, for a hardware-counter profile.
 
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
         -k regex:packed_step_kernel --launch-skip 3 --launch-count 3 python3 benchmarks/ncu_step.py
 
-Launch order per round: readout (split), writeback (split, from the readout's u), fused. GDN Qwen3.8 shape
-(48 heads, 16 q/k heads, K = V = 128), B = 512, a 6-bit plan shaped like the shipped ones.
+Launch order per round: readout (split), writeback (split, from the readout's u), fused; the reciprocal
+quantizer with one refit. GDN Qwen3.8 shape (48 heads, 16 q/k heads, K = V = 128), B = 512, a 6-bit plan
+shaped like the shipped ones.
 """
 
 from __future__ import annotations
@@ -17,22 +18,21 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_decode import make_layer, synthetic_plan, token_inputs  # noqa: E402
+from bench_decode import RECIPROCAL_1, make_layer, synthetic_plan, token_inputs  # noqa: E402
 
-from stepquant.kernels.decode import fused_packed_decode  # noqa: E402
-from stepquant.kernels.decode.fused import work_buffer  # noqa: E402
+from stepquant.kernels.decode import cuda  # noqa: E402
 
 
 def main() -> None:
     batch = 512
-    layer = make_layer(synthetic_plan("gdn", 6, 48), "dual_axis", batch)
+    layer = make_layer(synthetic_plan("gdn", 6, 48), "dual_axis", batch, RECIPROCAL_1)
     inputs = token_inputs(batch, 48, 16, False)
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
-    work = work_buffer(layer, batch)
+    work = torch.zeros(batch, 48, 128, device="cuda")
     for _ in range(2):
-        y = fused_packed_decode(layer, slots, *inputs, use_qk_l2norm=True, part="readout", work=work)
-        fused_packed_decode(layer, slots, *inputs, use_qk_l2norm=True, out=y, part="writeback", work=work)
-        fused_packed_decode(layer, slots, *inputs, use_qk_l2norm=True)
+        y = cuda.packed_decode(layer, slots, *inputs, use_qk_l2norm=True, part="readout", work=work)
+        cuda.packed_decode(layer, slots, *inputs, use_qk_l2norm=True, out=y, part="writeback", work=work)
+        cuda.packed_decode(layer, slots, *inputs, use_qk_l2norm=True)
     torch.cuda.synchronize()
 
 

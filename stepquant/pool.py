@@ -166,6 +166,13 @@ class PackedLayer:
         uniform = (bits == bits[:, :1]).all(dim=1) & (bits[:, 0] != PIVOT_BITS)  # one integer width per head
         flags = head_planes | uniform.to(torch.int64) * 32
         self.head_table = put(torch.stack([lay.head_scale_slot.to(torch.int64), flags], 1).to(torch.int32))
+        # the CUDA kernel's head table [H, 4]: (b if every row of the head has integer width b else 0,
+        # scale slot, first word of the head in a slot, words of the head)
+        starts = lay.row_word_offset.view(lay.num_heads, lay.key_dim)[:, 0].to(torch.int64)
+        head_words = lay.row_words.view(lay.num_heads, lay.key_dim).to(torch.int64).sum(dim=1)
+        kind = torch.where(uniform, bits[:, 0], 0)
+        self.head_info = put(torch.stack([kind, lay.head_scale_slot.to(torch.int64), starts, head_words], 1)
+                             .to(torch.int32)).view(lay.num_heads, 4)
         self.row_winv = put(dual_axis.row_factor(plan.w, plan.bits, plan.config))
         self.row_w2 = put(dual_axis.refit_weights(plan.w, plan.bits, plan.config))
         self.row_gain = put(dual_axis.row_gains(plan.bits, plan.config))

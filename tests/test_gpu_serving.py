@@ -2,7 +2,7 @@
 
 - ``prefill_packed`` through fla's chunk kernels (GDN and KDA) against stepquant's torch recurrence on
   the same GPU, including the packed boundary state and a second chunk continued from it;
-- ``PackedStateCache`` on CUDA (Triton decode and pack kernels on the pool) against
+- ``PackedStateCache`` on CUDA (the CUDA decode and pack kernels on the pool) against
   ``CompressedStateCache`` (transformers' own step and the torch codec) with the shipped checkpoints:
   per-step logits from the same stored state, and greedy generation.
 
@@ -96,16 +96,16 @@ def test_packed_cache_on_gpu_matches_the_compressed_cache(name, monkeypatch):
     from stepquant.integrations.packed_cache import PackedStateCache
 
     model, plan = shipped_on_gpu(name)
-    launches = []
-    kernel = decode_kernels.fused_packed_decode
-    monkeypatch.setattr(decode_kernels, "fused_packed_decode",
-                        lambda *a, **kw: launches.append(1) or kernel(*a, **kw))
+    launches = []  # decode steps that ran a GPU kernel (CUDA where it serves the layer, else Triton)
+    for module, name_ in ((decode_kernels, "fused_packed_decode"), (decode_kernels.cuda, "packed_decode")):
+        kernel = getattr(module, name_)
+        monkeypatch.setattr(module, name_, lambda *a, _kernel=kernel, **kw: launches.append(1) or _kernel(*a, **kw))
     ids = torch.randint(1, 8000, (2, 12), generator=torch.Generator().manual_seed(22)).cuda()
     ours = PackedStateCache(model.config, plan, max_batch=2, device="cuda")
     reference = CompressedStateCache(model.config, plan)
     err_prefill = rel_rms(forward(model, ours, ids[:, :6]), forward(model, reference, ids[:, :6]))
     agree = []
-    for i in ours.linear_layers:  # the boundary pack: Triton kernel vs the torch codec on the same state
+    for i in ours.linear_layers:  # the boundary pack: GPU kernel vs the torch codec on the same state
         mine = ours.layers[i].pool_layer.gather(torch.tensor(ours.slots))
         agree.append(float((mine.codes == reference.layers[i].encoded[0][0].codes).float().mean()))
     errors = []

@@ -29,9 +29,11 @@ if "triton" not in sys.modules:
 
 import pytest
 import torch
+from kernel_checks import check_against_codec, clone_layer, mixed_bits, rel_rms
+from kernel_checks import make_layer as _make_layer
+from kernel_checks import token_inputs as _token_inputs
 
-from stepquant.codecs.base import PIVOT_BITS, QState, round_to_codes
-from stepquant.codecs.dual_axis import DualAxisConfig
+from stepquant.codecs.base import PIVOT_BITS
 from stepquant.kernels.decode import (
     decode_step_packed,
     fused_pack_states,
@@ -42,7 +44,6 @@ from stepquant.kernels.decode import (
 from stepquant.kernels.decode.fused import work_buffer
 from stepquant.kernels.prefill import prefill_packed
 from stepquant.packing import pack, unpack
-from stepquant.pool import LayerPlan, PackedLayer
 from stepquant.recurrence import gated_delta_rule
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -53,101 +54,13 @@ needs_triton_device = pytest.mark.skipif(
 )
 gpu = pytest.mark.skipif(not torch.cuda.is_available() or INTERPRETED, reason="needs a CUDA GPU")
 
-SCALE_RTOL = 2.0**-9  # two FP16 steps: refit sums in another order may move a scale by one step
+
+def make_layer(bits, *, device=DEVICE, **kwargs):
+    return _make_layer(bits, device=device, **kwargs)
 
 
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
-def mixed_bits(num_heads: int, key_dim: int, choices: tuple[int, ...], seed: int,
-               pivot_rows: int = 0, pivot_head: bool = False) -> torch.Tensor:
-    """A plan [H, K]: head 0 uniform (GDN-like), other heads mixed rows (KDA-like), optional pivots."""
-    gen = torch.Generator().manual_seed(seed)
-    bits = torch.tensor(choices)[torch.randint(len(choices), (num_heads, key_dim), generator=gen)]
-    bits[0] = choices[len(choices) // 2]
-    if pivot_rows:
-        rows = torch.randperm(key_dim, generator=gen)[:pivot_rows]
-        bits[-1, rows] = PIVOT_BITS
-    if pivot_head:
-        bits[-1] = PIVOT_BITS
-    return bits.to(torch.int8)
-
-
-def make_layer(bits, *, seed=0, spatial="dual_axis", num_slots=4, value_dim=32, device=DEVICE, **config):
-    gen = torch.Generator().manual_seed(seed + 100)
-    w = torch.rand(bits.shape, generator=gen) + 0.25
-    plan = LayerPlan(bits, w, spatial, DualAxisConfig(**config))
-    return PackedLayer(plan, num_slots, value_dim, device)
-
-
-def token_inputs(num_rows, heads, q_heads, key_dim, value_dim, kda, seed, device=DEVICE):
-    gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device)
-    q, k = rand(num_rows, q_heads, key_dim), rand(num_rows, q_heads, key_dim)
-    v = rand(num_rows, heads, value_dim)
-    g = -torch.rand(num_rows, heads, *((key_dim,) if kda else ()), generator=gen).to(device)
-    beta = torch.rand(num_rows, heads, generator=gen).to(device)
-    return q, k, v, g, beta
-
-
-def clone_layer(layer: PackedLayer) -> PackedLayer:
-    twin = PackedLayer(layer.plan, layer.num_slots, layer.value_dim, layer.device)
-    for dst, src in zip(twin.tensors(), layer.tensors(), strict=True):
-        dst.copy_(src)
-    return twin
-
-
-def requantize_with(layer: PackedLayer, x: torch.Tensor, row_scale: torch.Tensor,
-                    col_code: torch.Tensor | None) -> QState:
-    """The codes torch gives X [n, H, K, V] with the kernel's row scales and the column scales the
-    kernel's codes were computed against (base.round_to_codes: true FP32 divisions)."""
-    bits = layer.plan.bits.to(x.device).to(torch.int64)
-    is_pivot = bits == PIVOT_BITS
-    row_bits = torch.where(is_pivot, 8, bits)[None, :, :, None]
-    r = row_scale.to(torch.float32)
-    y = x / r[..., None]
-    if col_code is not None:
-        y = y / col_code[:, :, None, :]
-    codes = round_to_codes(y, row_bits, layer.grid)
-    codes = torch.where(is_pivot[None, :, :, None], 0, codes).to(torch.uint8)
-    pivots = None
-    if bool(is_pivot.any()):
-        pivots = torch.where(is_pivot[None, :, :, None], x.clamp(-65504, 65504), 0).to(torch.float16)
-    return QState(codes, layer.plan.bits, row_scale, None, pivots, layer.grid)
-
-
-def check_against_codec(kernel: PackedLayer, ref: PackedLayer, slots: list[int], x: torch.Tensor,
-                        col_code: torch.Tensor, exact_scales: bool, far_share: float = 0.0) -> None:
-    """The policy of the module docstring for the slots both layers wrote from the same X.
-
-    far_share: the share of refitted column scales allowed to differ by more than SCALE_RTOL (GPU
-    tests at real shapes: a code on a rounding tie that flips with the summation order moves the next
-    refit, so over ~10^5 columns a handful can land a few FP16 steps away; codes are still exact)."""
-    index = torch.tensor(slots)
-    got, want = unpack(kernel.gather(index)), unpack(ref.gather(index))
-    if exact_scales:
-        assert torch.equal(kernel.codes[index], ref.codes[index])
-        assert torch.equal(kernel.row_scale[index], ref.row_scale[index])
-        if ref.col_scale is not None:
-            assert torch.equal(kernel.col_scale[index], ref.col_scale[index])
-        return
-    # row scales come from an order-independent statistic (absmax) or an FP32 sum (rms)
-    torch.testing.assert_close(got.row_scale.float(), want.row_scale.float(), rtol=SCALE_RTOL, atol=0)
-    if want.col_scale is not None:
-        near = (got.col_scale.float() - want.col_scale.float()).abs() <= SCALE_RTOL * want.col_scale.float()
-        assert 1.0 - near.float().mean().item() <= far_share, f"{int((~near).sum())} column scales differ"
-    # codes exactly, given the kernel's X and scales
-    again = requantize_with(kernel, x, got.row_scale, None if want.col_scale is None else col_code)
-    is_int = (kernel.plan.bits != PIVOT_BITS).to(x.device)[None, :, :, None]
-    assert torch.equal(torch.where(is_int, got.codes, 0), again.codes)
-    if again.pivots is not None:
-        assert torch.equal(got.pivots.view(torch.int16), again.pivots.view(torch.int16))
-    # and the words are exactly the packing of those codes and scales
-    col = None if want.col_scale is None else got.col_scale
-    repacked = pack(QState(again.codes, kernel.plan.bits, got.row_scale, col, again.pivots, kernel.grid),
-                    kernel.layout)
-    assert torch.equal(kernel.codes[index], repacked.codes)
+def token_inputs(*args, device=DEVICE, **kwargs):
+    return _token_inputs(*args, device=device, **kwargs)
 
 
 CONFIGS = {
@@ -155,6 +68,8 @@ CONFIGS = {
     "absmax-refit1-midrise": dict(refit_iters=1, grid="midrise", row_stat="absmax"),
     "rms-refit2-midrise": dict(refit_iters=2, grid="midrise", row_stat="rms", clip=0.9),
     "default": dict(),
+    "reciprocal-refit1": dict(division="reciprocal", refit_iters=1),
+    "reciprocal-refit2-midtread": dict(division="reciprocal", refit_iters=2, grid="midtread"),
 }
 
 SHAPES = {  # id: (N, H, H_k, K, V, bit choices, pivot rows, pivot head)
@@ -195,7 +110,8 @@ def test_pack_kernel_matches_codec(shape, config):
 
 @needs_triton_device
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-@pytest.mark.parametrize("config", ["absmax-refit0-midtread", "default", "rms-refit2-midrise"])
+@pytest.mark.parametrize("config", ["absmax-refit0-midtread", "default", "rms-refit2-midrise",
+                                    "reciprocal-refit1"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_decode_kernel_matches_reference(shape, config, kda):
     num_rows, heads, q_heads, key_dim, value_dim, choices, pivot_rows, pivot_head = SHAPES[shape]

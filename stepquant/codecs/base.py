@@ -19,10 +19,11 @@ The primitives below are the bit-exact reference a kernel must reproduce:
 
 - :func:`fp16_scale`: a scale is clamped to [2^-14, 65504] in FP32, then rounded to nearest FP16;
   codes are always computed against that rounded value.
-- :func:`round_to_codes`: ``t`` is the value already divided by its scale(s) (true FP32 division,
-  never a multiplication by a reciprocal). MIDTREAD: ``u = clamp(rint(t + zero(b)), 1, 2^b - 1)``
-  with rint = round half to even (torch.round, CUDA rintf, Triton libdevice.rint). MIDRISE:
-  ``u = clamp(floor(t + 2^(b-1)), 0, 2^b - 1)`` (the nearest mid-rise level).
+- :func:`round_to_codes`: ``t`` is the value already divided by its scale(s) (how it was divided is
+  the caller's contract: true FP32 division, or the dual-axis quantizer's "reciprocal" mode).
+  MIDTREAD: ``u = clamp(rint(t + zero(b)), 1, 2^b - 1)`` with rint = round half to even (torch.round,
+  CUDA rintf, Triton libdevice.rint). MIDRISE: ``u = clamp(floor(t + 2^(b-1)), 0, 2^b - 1)`` (the
+  nearest mid-rise level). The sum is rounded to FP32 first, unless exact_sum=True.
 """
 
 from __future__ import annotations
@@ -158,13 +159,22 @@ def fp16_scale(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32).clamp(FP16_SCALE_MIN, FP16_SCALE_MAX).to(torch.float16).to(torch.float32)
 
 
-def round_to_codes(scaled: torch.Tensor, bits: torch.Tensor | int, grid: Grid) -> torch.Tensor:
-    """Nearest-level codes (uint8) of values already divided by their scale; bits broadcasts against it."""
+def round_to_codes(scaled: torch.Tensor, bits: torch.Tensor | int, grid: Grid,
+                   exact_sum: bool = False) -> torch.Tensor:
+    """Nearest-level codes (uint8) of values already divided by their scale; bits broadcasts against it.
+
+    exact_sum=False rounds the FP32 sum ``scaled + offset`` (offset = zero(b) on MIDTREAD, 2^(b-1) on
+    MIDRISE) and then takes rint / floor of it; exact_sum=True takes rint / floor of the exact sum
+    (computed in FP64), which is what one FP32 add with a directed rounding mode gives on a GPU.
+    """
     low, high = grid.code_range(bits)
-    if grid is Grid.MIDTREAD:
-        codes = torch.round(scaled + grid.zero(bits))
+    offset = grid.zero(bits) if grid is Grid.MIDTREAD else grid.zero(bits) + 0.5  # zero + 0.5 = 2^(b-1)
+    if exact_sum:
+        total = scaled.to(torch.float64) + (offset.to(torch.float64) if isinstance(offset, torch.Tensor)
+                                            else offset)
     else:
-        codes = torch.floor(scaled + (grid.zero(bits) + 0.5))  # zero + 0.5 = 2^(b-1), exact
+        total = scaled + offset
+    codes = torch.round(total) if grid is Grid.MIDTREAD else torch.floor(total)
     return torch.clamp(codes, low, high).to(torch.uint8)
 
 

@@ -124,10 +124,12 @@ class DualAxisConfig:
     step_normalised_refit: weight row i's refit error by w_i^2 (gain_ref / gain_b(i))^2 instead of w_i^2,
                  i.e. in units of the row's own step (:func:`refit_weights`); only changes heads with
                  mixed bit widths (see the module docstring)
-    division:    "exact": Y = X / r and codes of Y / c by true FP32 division, refit numerator
-                 sum v r z X (the first quantizer); "reciprocal": Y = X * (1 / r) and Y * (1 / c), each
-                 reciprocal correctly rounded once per row / column, refit numerator sum (v r^2 z) Y (one
-                 multiply per value instead of a division: what the fast decode kernel computes)
+    division:    "exact": Y = X / r and codes of Y / c by true FP32 division, the code offset added
+                 in FP32, refit numerator sum v r z X (the first quantizer); "reciprocal": Y = X * (1 / r)
+                 and Y * (1 / c), each reciprocal correctly rounded once per row / column, codes from the
+                 exact sum (round_to_codes exact_sum=True), refit numerator sum (v r^2 z) Y: one multiply
+                 and one directed-rounding add per value instead of a division and two adds, which is
+                 what the CUDA decode kernel computes
     """
 
     grid: Grid = DEFAULT_GRID
@@ -278,33 +280,42 @@ def dual_axis_iterates(
     m = row_statistic(x, config.row_stat)  # [N, H, K]
     r = fp16_scale(torch.sqrt(m) * factor)  # [N, H, K]
     r = torch.where(is_int, r, torch.ones_like(r))
-    reciprocal = config.division == "reciprocal"
-
-    def divide(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        # "reciprocal": a * fl(1 / b), one correctly rounded reciprocal per scale
-        return a * (1.0 / b) if reciprocal else a / b
-
     # step 3: column init on the row-normalised state
-    y = divide(x, r[..., None])  # [N, H, K, V]
+    y = scale_down(x, r[..., None], config)  # [N, H, K, V]
     c_init = torch.where(b_int, y.abs() * row_gain[None, :, :, None], torch.zeros_like(y)).amax(dim=2)
     c = fp16_scale(c_init)  # [N, H, V]
     # step 4: codes
-    codes = round_to_codes(divide(y, c[:, :, None, :]), b_bits, grid)  # [N, H, K, V]
+    codes = codes_for(y, c, b_bits, config)  # [N, H, K, V]
     yield emit(codes, c)
     # step 5: weighted least-squares refits of c with the codes fixed
     w2r = w2[None] * r  # [N, H, K]
     w2r2 = w2r * r
     for iteration in range(config.refit_iters):
         if iteration > 0:  # codes against the previous refit (never after the last one)
-            codes = round_to_codes(divide(y, c[:, :, None, :]), b_bits, grid)
+            codes = codes_for(y, c, b_bits, config)
         z = torch.where(b_int, code_levels(codes, b_bits, grid), torch.zeros_like(x))  # [N, H, K, V]
-        if reciprocal:  # (v r^2 z) Y: the product the kernel shares between both sums
+        if config.division == "reciprocal":  # (v r^2 z) Y: the product the kernel shares between both sums
             numerator = ((w2r2[..., None] * z) * y).sum(dim=2)
         else:
             numerator = torch.einsum("nhk,nhkv->nhv", w2r, z * x)
         denominator = torch.einsum("nhk,nhkv->nhv", w2r2, z * z)
         c = fp16_scale(torch.where(denominator > 0, numerator / denominator, c))
         yield emit(codes, c)
+
+
+def scale_down(a: torch.Tensor, scale: torch.Tensor, config: DualAxisConfig) -> torch.Tensor:
+    """a / scale as the quantizer divides: true FP32 division, or a * fl(1 / scale) ("reciprocal")."""
+    return a * (1.0 / scale) if config.division == "reciprocal" else a / scale
+
+
+def codes_for(y: torch.Tensor, c: torch.Tensor, bits: torch.Tensor | int, config: DualAxisConfig) -> torch.Tensor:
+    """Step 4: the codes of the row-normalised state Y [N, H, K, V] against column scales c [N, H, V].
+
+    bits broadcasts against Y (e.g. [1, H, K, 1]). The one definition of the codes a fit stores given its
+    scales: the kernels' codes are checked against it.
+    """
+    reciprocal = config.division == "reciprocal"
+    return round_to_codes(scale_down(y, c[:, :, None, :], config), bits, config.grid, exact_sum=reciprocal)
 
 
 def weighted_error(states: torch.Tensor, approx: torch.Tensor, w: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,8 +1,10 @@
-"""Packed-state decode step (GDN and KDA): fused Triton kernel (fused.py) and torch reference (naive.py).
+"""Packed-state decode step (GDN and KDA): CUDA kernel (cuda.py + packed_step.cu), Triton kernel (fused.py)
+and torch reference (naive.py), all with one signature.
 
-:func:`decode_step_packed` is what a cache integration calls once per layer and token: it runs the
-Triton kernel when the pool lives on a CUDA device and the torch reference otherwise, updating the
-slots in place and returning the readout.
+:func:`decode_step_packed` is what a cache integration calls once per layer and token: on a CUDA device
+it runs the CUDA kernel where it serves the layer (V = 128, K a multiple of 16, nvcc at first use) and the
+Triton kernel otherwise; elsewhere the torch reference. It updates the slots in place and returns the
+readout. :func:`pack_states` (the boundary pack after a prefill) dispatches the same way.
 """
 
 from __future__ import annotations
@@ -11,11 +13,17 @@ import torch
 
 from stepquant.pool import PackedLayer
 
+from . import cuda
 from .fused import PARTS, fused_pack_states, fused_packed_decode, fused_packed_decode_split
 from .naive import naive_pack_states, naive_packed_decode, naive_unpack_states
 
+BACKENDS = ("cuda", "triton", "torch")
+
 __all__ = [
+    "BACKENDS",
     "PARTS",
+    "backend_for",
+    "cuda",
     "decode_step_packed",
     "fused_packed_decode_split",
     "fused_pack_states",
@@ -25,6 +33,13 @@ __all__ = [
     "naive_unpack_states",
     "pack_states",
 ]
+
+
+def backend_for(layer: PackedLayer) -> str:
+    """The implementation decode_step_packed and pack_states use for a layer: "cuda", "triton" or "torch"."""
+    if not layer.codes.is_cuda:
+        return "torch"
+    return "cuda" if cuda.supported(layer) else "triton"
 
 
 def decode_step_packed(
@@ -39,13 +54,20 @@ def decode_step_packed(
     scale: float | None = None,
     use_qk_l2norm: bool = False,
     out: torch.Tensor | None = None,
+    backend: str | None = None,
 ) -> torch.Tensor:
-    """One decode token on packed states, in place; y [N, H, V] (see fused_packed_decode for shapes)."""
-    fn = fused_packed_decode if layer.codes.is_cuda else naive_packed_decode
+    """One decode token on packed states, in place; y [N, H, V] (see fused_packed_decode for shapes).
+
+    backend: "cuda", "triton" or "torch"; default :func:`backend_for` (the fastest that serves the layer).
+    """
+    backend = backend_for(layer) if backend is None else backend
+    fn = {"cuda": cuda.packed_decode, "triton": fused_packed_decode, "torch": naive_packed_decode}.get(backend)
+    if fn is None:
+        raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     return fn(layer, slots, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)
 
 
 def pack_states(layer: PackedLayer, slots: torch.Tensor, states: torch.Tensor) -> None:
-    """Quantize float states [N, H, K, V] into ``slots`` (Triton on CUDA, torch elsewhere)."""
-    fn = fused_pack_states if layer.codes.is_cuda else naive_pack_states
+    """Quantize float states [N, H, K, V] into ``slots`` (the backend of :func:`backend_for`)."""
+    fn = {"cuda": cuda.pack_states, "triton": fused_pack_states, "torch": naive_pack_states}[backend_for(layer)]
     fn(layer, slots, states)

@@ -42,6 +42,8 @@ from .naive import check_token_inputs
 
 # 1.5 * 2^23: adding it rounds an FP32 |x| < 2^22 to an integer, half to even (round-to-nearest).
 MAGIC_RINT = tl.constexpr(12582912.0)
+# 1.5 * 2^52: the same in FP64
+MAGIC_RINT64 = tl.constexpr(6755399441055744.0)
 # 2^23: code | 0x4B000000 reinterpreted as FP32 is 2^23 + code.
 MAGIC_CODE = tl.constexpr(8388608.0)
 # 2^22: (code << 1) | 0x4A800000 reinterpreted as FP32 is 2^22 + code, and 2^22 + zero is exact for
@@ -88,14 +90,32 @@ def _rint(x):
 
 
 @triton.jit
-def _codes(b_y, b_c, b_rc, b_zero, b_lo, b_hi, IS_MIDRISE: tl.constexpr):
-    # base.round_to_codes(Y / c): float codes in [lo, hi]; [8, BK, NM] against columns [8, NM]
-    b_t = _div(b_y, b_c[:, None, :], b_rc[:, None, :])
-    if IS_MIDRISE:
-        b_u = tl.floor(b_t + (b_zero[None, :, None] + 0.5))
+def _codes(b_y, b_c, b_rc, b_zero, b_lo, b_hi, IS_MIDRISE: tl.constexpr, RECIP: tl.constexpr):
+    # dual_axis.codes_for: float codes in [lo, hi]; [8, BK, NM] against columns [8, NM]. RECIP: Y * (1 / c)
+    # (b_rc is then the correctly rounded reciprocal) and floor / rint of the exact sum (in FP64)
+    if RECIP:
+        b_t = (b_y * b_rc[:, None, :]).to(tl.float64)
+        if IS_MIDRISE:
+            b_u = tl.floor(b_t + (b_zero[None, :, None] + 0.5).to(tl.float64)).to(tl.float32)
+        else:
+            b_s = b_t + b_zero[None, :, None].to(tl.float64)  # exact; rint by the FP64 magic number
+            b_u = ((b_s + MAGIC_RINT64) - MAGIC_RINT64).to(tl.float32)
     else:
-        b_u = _rint(b_t + b_zero[None, :, None])
+        b_t = _div(b_y, b_c[:, None, :], b_rc[:, None, :])
+        if IS_MIDRISE:
+            b_u = tl.floor(b_t + (b_zero[None, :, None] + 0.5))
+        else:
+            b_u = _rint(b_t + b_zero[None, :, None])
     return tl.minimum(tl.maximum(b_u, b_lo[None, :, None]), b_hi[None, :, None])
+
+
+@triton.jit
+def _scale_down(b_x, b_r, RECIP: tl.constexpr, APPROX_RCP: tl.constexpr):
+    # dual_axis.scale_down(X, r) for row scales b_r [BKB]: X / r, or X * (1 / r) correctly rounded
+    if RECIP:
+        return b_x * tl.math.div_rn(tl.full(b_r.shape, 1.0, tl.float32), b_r)[None, :, None]
+    else:
+        return _div(b_x, b_r[None, :, None], _rcp(b_r, APPROX_RCP)[None, :, None])
 
 
 @triton.jit
@@ -327,6 +347,7 @@ def packed_step_kernel(
     IS_RMS: tl.constexpr,
     IS_MIDRISE: tl.constexpr,
     REFIT_ITERS: tl.constexpr,
+    RECIP: tl.constexpr,
     STORE_DEBUG: tl.constexpr,
     APPROX_RCP: tl.constexpr,
 ):
@@ -428,7 +449,7 @@ def packed_step_kernel(
                     b_m = tl.max(tl.max(tl.abs(b_x), 0), 1)  # [BKB]
                 b_winv = tl.load(plan_winv + i_h * K + o_r, mask=m_r, other=1.0)
                 b_rn = tl.where(m_int, _fp16_scale(tl.sqrt_rn(b_m) * b_winv), 1.0)
-                b_y = _div(b_x, b_rn[None, :, None], _rcp(b_rn, APPROX_RCP)[None, :, None])  # Y = X / r
+                b_y = _scale_down(b_x, b_rn, RECIP, APPROX_RCP)  # Y = X / r
                 # pivot and padded rows have gain 0, so they take no part in the column fit
                 b_gain = tl.load(plan_gain + i_h * K + o_r, mask=m_int, other=0.0)
                 b_cm = tl.maximum(b_cm, tl.abs(b_y) * b_gain[None, :, None])
@@ -445,7 +466,7 @@ def packed_step_kernel(
         NP: tl.constexpr = REFIT_ITERS if (USE_DUAL_AXIS and REFIT_ITERS > 0) else 1
         for it in tl.static_range(NP):
             b_cc = b_cn  # the column scales these codes are computed against
-            b_rcc = _rcp(b_cc, APPROX_RCP)
+            b_rcc = tl.math.div_rn(tl.full(b_cc.shape, 1.0, tl.float32), b_cc) if RECIP else _rcp(b_cc, APPROX_RCP)
             acc_n = tl.zeros([8, BKB, NM], dtype=tl.float32)
             acc_d = tl.zeros([8, BKB, NM], dtype=tl.float32)
             for kb in range(NKB):
@@ -454,9 +475,9 @@ def packed_step_kernel(
                     i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
                     IS_KDA, IS_MIDRISE, USE_UPDATE, UNIFORM_BITS)
                 b_rn = tl.load(p_work + o_r, mask=m_r, other=1.0)
-                b_y = _div(b_x, b_rn[None, :, None], _rcp(b_rn, APPROX_RCP)[None, :, None])
+                b_y = _scale_down(b_x, b_rn, RECIP, APPROX_RCP)
                 if USE_DUAL_AXIS:
-                    b_q8 = _codes(b_y, b_cc, b_rcc, b_zero, b_lo, b_hi, IS_MIDRISE)  # [8, BKB, NM]
+                    b_q8 = _codes(b_y, b_cc, b_rcc, b_zero, b_lo, b_hi, IS_MIDRISE, RECIP)  # [8, BKB, NM]
                     if REFIT_ITERS > 0:
                         # w^2 r z X = (w^2 r^2 z) Y up to the rounding of Y = X / r: one product, both sums
                         b_w2 = tl.load(plan_w2 + i_h * K + o_r, mask=m_int, other=0.0)
@@ -619,6 +640,7 @@ def _launch_group(layer, slots, heads, planes, uniform_bits, q, k, v, g, beta, y
         IS_RMS=plan.config.row_stat == "rms",
         IS_MIDRISE=plan.grid is Grid.MIDRISE,
         REFIT_ITERS=plan.config.refit_iters,
+        RECIP=plan.has_col_scale and plan.config.division == "reciprocal",
         STORE_DEBUG=debug,
         APPROX_RCP=not _INTERPRETED,
         num_warps=num_warps,

@@ -1,0 +1,67 @@
+"""Compile, in parallel, the CUDA decode-kernel libraries the GPU tests and bench_decode.py use.
+
+Each quantizer configuration is one nvcc build of stepquant/kernels/decode/packed_step.cu (about 30 s on one
+core); without this they compile one after another at first use. Run before the tests on a GPU machine:
+
+    python benchmarks/build_cuda.py --jobs 16        # prints one line per library, then the total time
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
+from stepquant.kernels.decode import cuda  # noqa: E402
+from stepquant.pool import LayerPlan, PackedLayer  # noqa: E402
+
+RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
+EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)  # the committed plans' quantizer
+PACK_EXACT = DualAxisConfig(refit_iters=0, row_stat="absmax")  # test_cuda_kernel's exact pack check
+
+# (spatial, quantizer, part, kda, debug)
+CONFIGS = (
+    [("dual_axis", q, part, kda, False) for q in (RECIPROCAL_1, EXACT_2) for part in ("fused", "readout", "writeback")
+     for kda in (False, True)]
+    + [("dual_axis", q, "fused", kda, True) for q in (RECIPROCAL_1, EXACT_2) for kda in (False, True)]
+    + [("absmax", EXACT_2, "fused", kda, debug) for kda in (False, True) for debug in (False, True)]
+    + [("dual_axis", q, "pack", False, debug) for q in (RECIPROCAL_1, EXACT_2, PACK_EXACT) for debug in (False, True)]
+)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=8, help="parallel nvcc processes")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("no CUDA GPU: nothing to build (the CPU tests build the emulation on their own)")
+        return 0
+    major, minor = torch.cuda.get_device_capability()
+    target = f"{major}{minor}"
+    started = time.time()
+    unique = {}
+    for spatial, quantizer, part, kda, debug in CONFIGS:
+        layer = PackedLayer(LayerPlan(torch.full((1, 16), 6, dtype=torch.int8), None, spatial, quantizer), 1, 128)
+        unique[cuda.defines_for(layer, part, kda, debug)] = None
+
+    def one(defines):
+        t0 = time.time()
+        path = cuda.build(defines, target)
+        return f"{time.time() - t0:6.1f} s {path.parent.name} {dict(defines)}"
+
+    with ThreadPoolExecutor(args.jobs) as pool:
+        for line in pool.map(one, unique):
+            print(line, flush=True)
+    print(f"built {len(unique)} libraries for sm_{target} in {time.time() - started:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

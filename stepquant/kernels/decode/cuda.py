@@ -1,0 +1,244 @@
+"""The CUDA packed-state decode step (packed_step.cu): built with nvcc at first use, launched through ctypes.
+
+Why CUDA next to the Triton kernel (fused.py): the step must keep a whole head's tile in registers and
+reduce it along both axes (rows within a warp, columns across warps through shared memory), stage the
+head's code words in shared memory with one copy, and round with directed-rounding adds; Triton gives
+none of these controls, and its version of the step is 2x slower than fla's FP32 update (docs/kernels.md).
+
+The library is compiled once per quantizer configuration (part, spatial quantizer, grid, division, row
+statistic, gate kind, clip table: the SQ_* macros of the source) for the GPU's architecture, into
+``$STEPQUANT_KERNEL_CACHE`` (default ``~/.cache/stepquant/kernels``), keyed by a hash of the source, the
+flags and the nvcc version; later processes load it without compiling. It needs ``nvcc`` on PATH (or
+``$CUDA_HOME/bin``) at first use and links the CUDA runtime statically, so it runs beside any torch build
+of a compatible driver. :func:`supported` says whether a layer and its inputs fit the kernel (V = 128,
+K a multiple of 16 up to 128); decode_step_packed falls back to the Triton kernel otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from stepquant.codecs.base import Grid
+from stepquant.pool import PackedLayer
+
+from .naive import check_token_inputs
+
+SOURCE = Path(__file__).with_name("packed_step.cu")
+EMULATION_HEADER = Path(__file__).with_name("cuda_emulation.h")
+CPU = "cpu"  # the target of the CPU emulation build (cuda_emulation.h): tests run the kernel's source with it
+VALUE_DIM = 128  # four value columns per lane of a warp
+MAX_KEY_DIM = 128  # sixteen key rows per warp, eight warps
+KEY_DIM_STEP = 16  # K is a multiple of the rows of one warp
+PARTS = {"fused": 0, "readout": 1, "writeback": 2, "pack": 3}
+
+
+class _Params(ctypes.Structure):
+    """The kernel's Params struct, field for field (packed_step.cu)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "q", "k", "v", "g", "beta", "x_in", "y", "work", "slots", "codes", "row_scale", "col_scale",
+        "heads", "row_info", "row_winv", "row_w2", "row_gain", "dbg_x", "dbg_c")] + [
+        ("scale", ctypes.c_float), ("slot_words", ctypes.c_longlong),
+        ("H", ctypes.c_int), ("HQ", ctypes.c_int), ("K", ctypes.c_int), ("num_scaled", ctypes.c_int),
+        ("l2norm", ctypes.c_int)]
+
+
+def nvcc_path() -> str | None:
+    found = shutil.which("nvcc")
+    if found is None and os.environ.get("CUDA_HOME"):
+        candidate = Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"
+        found = str(candidate) if candidate.exists() else None
+    return found
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("STEPQUANT_KERNEL_CACHE", Path.home() / ".cache" / "stepquant" / "kernels"))
+
+
+@functools.cache
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
+
+
+def build(defines: tuple[tuple[str, int], ...], target: str) -> Path:
+    """The shared library for one configuration, compiled into the cache on first use.
+
+    target: a CUDA architecture ("90" for sm_90), or CPU for the emulation build (g++, cuda_emulation.h).
+    """
+    if target == CPU:
+        compiler = shutil.which("g++") or shutil.which("c++")
+        if compiler is None:
+            raise RuntimeError("the CPU emulation of the CUDA kernel needs a C++20 compiler (g++) on PATH")
+        flags = ["-O2", "-std=c++20", "-shared", "-fPIC", "-pthread", "-DSQ_EMULATE", "-x", "c++"]
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    else:
+        compiler = nvcc_path()
+        if compiler is None:
+            raise RuntimeError("the CUDA decode kernel needs nvcc at first use (put it on PATH or set "
+                               "CUDA_HOME); without it decode_step_packed uses the Triton kernel")
+        flags = ["-O3", "-std=c++20", f"-gencode=arch=compute_{target},code=sm_{target}", "-shared",
+                 "-Xcompiler", "-fPIC"]
+        version = _nvcc_version(compiler)
+    flags += [f"-D{name}={value}" for name, value in defines]
+    sources = SOURCE.read_bytes() + EMULATION_HEADER.read_bytes()
+    digest = hashlib.sha256(sources + repr(flags).encode() + version.encode())
+    target_path = cache_dir() / digest.hexdigest()[:20] / "packed_step.so"
+    if target_path.exists():
+        return target_path
+    target_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target_path.parent) as tmp:  # build aside, then rename: no torn file
+        out = Path(tmp) / "packed_step.so"
+        result = subprocess.run([compiler, *flags, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
+        if result.returncode != 0:
+            raise RuntimeError(f"{Path(compiler).name} failed to build {SOURCE.name} ({' '.join(flags)}):\n"
+                               f"{result.stderr[-4000:]}")
+        os.replace(out, target_path)
+    return target_path
+
+
+@functools.cache
+def _load(defines: tuple[tuple[str, int], ...], target: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(build(defines, target)))
+    lib.sq_packed_step.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    lib.sq_packed_step.restype = ctypes.c_int
+    lib.sq_error_string.argtypes = [ctypes.c_int]
+    lib.sq_error_string.restype = ctypes.c_char_p
+    if lib.sq_params_size() != ctypes.sizeof(_Params):
+        raise RuntimeError(f"{SOURCE.name} Params ({lib.sq_params_size()} B) and cuda._Params "
+                           f"({ctypes.sizeof(_Params)} B) differ: rebuild after editing one of them")
+    return lib
+
+
+def defines_for(layer: PackedLayer, part: str, kda: bool, debug: bool = False) -> tuple[tuple[str, int], ...]:
+    """The SQ_* macros of a layer's quantizer (what one compiled library serves)."""
+    config = layer.plan.config
+    dual = layer.plan.has_col_scale
+    clipped = sum(1 << b for b in range(2, 9) if config.clip_for(b) < 1.0)
+    return (("SQ_PART", PARTS[part]), ("SQ_DUAL", int(dual)),
+            ("SQ_MIDRISE", int(dual and layer.grid is Grid.MIDRISE)),
+            ("SQ_RECIP", int(dual and config.division == "reciprocal")),
+            ("SQ_RMS", int(config.row_stat == "rms")), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
+            ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_DEBUG", int(debug)))
+
+
+def supported(layer: PackedLayer) -> bool:
+    """Whether the CUDA kernel serves this layer (V = 128, K <= 128, on a CUDA device, nvcc at hand)."""
+    return (layer.device.type == "cuda" and _fits(layer) and torch.cuda.get_device_capability(layer.device)[0] >= 8
+            and nvcc_path() is not None)
+
+
+def _fits(layer: PackedLayer) -> bool:
+    return (layer.value_dim == VALUE_DIM and layer.key_dim <= MAX_KEY_DIM and layer.key_dim % KEY_DIM_STEP == 0)
+
+
+def _target(device: torch.device) -> str:
+    if device.type != "cuda":
+        return CPU
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{major}{minor}"
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def launch(layer: PackedLayer, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *, part: str, scale: float,
+           use_qk_l2norm: bool, work: torch.Tensor | None = None, debug: dict | None = None) -> None:
+    """One launch for every head of the layer (grid N x H); inputs already checked and contiguous FP32."""
+    kda = g is not None and g.dim() == 3
+    lib = _load(defines_for(layer, part, kda, debug is not None), _target(layer.device))
+    num_rows = slots.shape[0]
+    heads, key_dim = layer.num_heads, layer.key_dim
+    dbg_x = dbg_c = None
+    if debug is not None:
+        dbg_x = torch.full((num_rows, heads, key_dim, VALUE_DIM), float("nan"), device=layer.device)
+        dbg_c = torch.full((num_rows, heads, VALUE_DIM), float("nan"), device=layer.device)
+    p = _Params(
+        q=_ptr(q), k=_ptr(k), v=_ptr(v), g=_ptr(g), beta=_ptr(beta), x_in=_ptr(x_in), y=_ptr(y), work=_ptr(work),
+        slots=_ptr(slots), codes=_ptr(layer.codes), row_scale=_ptr(layer.row_scale),
+        col_scale=_ptr(layer.col_scale), heads=_ptr(layer.head_info), row_info=_ptr(layer.row_table),
+        row_winv=_ptr(layer.row_winv), row_w2=_ptr(layer.row_w2), row_gain=_ptr(layer.row_gain),
+        dbg_x=_ptr(dbg_x), dbg_c=_ptr(dbg_c), scale=scale, slot_words=layer.layout.words_per_slot,
+        H=heads, HQ=heads if q is None else q.shape[1], K=key_dim,
+        num_scaled=layer.layout.num_scaled_heads, l2norm=int(use_qk_l2norm))
+    stream = torch.cuda.current_stream(layer.device).cuda_stream if layer.device.type == "cuda" else 0
+    status = lib.sq_packed_step(ctypes.byref(p), num_rows, layer.device.index or 0, ctypes.c_void_p(stream))
+    if status != 0:
+        raise RuntimeError(f"CUDA decode kernel failed: {lib.sq_error_string(status).decode()}")
+    if debug is not None:
+        debug["x"], debug["c"] = dbg_x, dbg_c
+
+
+def _check_supported(layer: PackedLayer) -> None:
+    if not _fits(layer):
+        raise ValueError(f"the CUDA kernel serves V = {VALUE_DIM} and K a multiple of {KEY_DIM_STEP} up to "
+                         f"{MAX_KEY_DIM}; this layer has K = {layer.key_dim}, V = {layer.value_dim} (the Triton "
+                         "kernel, fused.py, serves any shape)")
+
+
+def packed_decode(
+    layer: PackedLayer,
+    slots: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    out: torch.Tensor | None = None,
+    part: str = "fused",
+    work: torch.Tensor | None = None,
+    debug: dict | None = None,
+) -> torch.Tensor:
+    """One decode token on packed states, in place; the signature of fused.fused_packed_decode.
+
+    part: "fused", or the split "readout" (y, and u into ``work`` [N, H, V] FP32 when given; slots
+    untouched) then "writeback" (requantizes the slots from the u in ``work``; y untouched). On a CPU
+    layer this runs the emulation build (tests only: slow).
+    """
+    check_token_inputs(layer, slots, q, k, v, g, beta)
+    _check_supported(layer)
+    if part not in ("fused", "readout", "writeback"):
+        raise ValueError(f"part must be 'fused', 'readout' or 'writeback', got {part!r}")
+    if part == "writeback" and work is None:
+        raise ValueError("part='writeback' starts from the readout's u: pass the work buffer the readout filled")
+    if work is not None and (work.shape != v.shape or work.dtype != torch.float32 or not work.is_contiguous()):
+        raise ValueError(f"work must be a contiguous FP32 tensor of v's shape {list(v.shape)}")
+    device = layer.device
+    q, k, v, g, beta = (t.to(device, torch.float32).contiguous() for t in (q, k, v, g, beta))
+    slots = slots.to(device, torch.int32).contiguous()
+    result = torch.empty(v.shape, dtype=torch.float32, device=device) if out is None or out.dtype != torch.float32 \
+        or not out.is_contiguous() else out
+    if part == "writeback" and out is not None:
+        result = out  # untouched
+    scale = layer.key_dim**-0.5 if scale is None else float(scale)
+    launch(layer, slots, q, k, v, g, beta, result, None, part=part, scale=scale, use_qk_l2norm=use_qk_l2norm,
+           work=work, debug=debug)
+    if out is not None and result is not out:
+        active = slots >= 0
+        out[active] = result[active].to(out.dtype)
+        return out
+    return result
+
+
+def pack_states(layer: PackedLayer, slots: torch.Tensor, states: torch.Tensor, *, debug: dict | None = None) -> None:
+    """Quantize float states [N, H, K, V] into ``slots`` (-1: skip a row); the signature of fused_pack_states."""
+    expected = (slots.shape[0], layer.num_heads, layer.key_dim, layer.value_dim)
+    if tuple(states.shape) != expected:
+        raise ValueError(f"states must have shape [N, H, K, V] = {list(expected)}, got {list(states.shape)}")
+    _check_supported(layer)
+    states = states.to(layer.device, torch.float32).contiguous()
+    slots = slots.to(layer.device, torch.int32).contiguous()
+    launch(layer, slots, None, None, None, None, None, None, states, part="pack", scale=1.0,
+           use_qk_l2norm=False, debug=debug)

@@ -1,0 +1,682 @@
+// Packed-state decode step for GDN / KDA in CUDA: one token for N requests whose states live packed in
+// pool slots (docs/format.md), read once and written once (docs/kernels.md, "CUDA kernel").
+//
+// stepquant/kernels/decode/cuda.py builds this file with nvcc at first use, one shared library per
+// quantizer configuration (the SQ_* macros below), and calls sq_packed_step through ctypes on the
+// caller's stream. The arithmetic reproduces stepquant.codecs.dual_axis.fit_dual_axis (and
+// mixed.fit_rowwise_absmax) given the same X: codes and packed bytes bit for bit given the scales;
+// FP32 reductions (readout sums, rms statistic, refit sums) run in another order than torch.
+//
+// One CTA of 256 threads per (request, head); K is a multiple of 16 up to 128 and V = 128. Warp w owns key
+// rows [16w, 16w + 16) (a warp past K computes on neutral rows and stores nothing), lane l owns value
+// columns [4l, 4l + 4), so each thread holds a 16 x 4 tile of the head in registers (x[16][4]) through
+// the whole step:
+//   1. load the slot's code words, levels z;          readout sums k^T D S, q^T D S (8 warps -> smem)
+//   2. u = beta (v - k^T D S), y = (D S)^T q + (k.q) u (stored before anything is requantized)
+//   3. X = D S + k u^T in place;                        row statistic (32 lanes of a warp -> smem)
+//   4. Y = X / r in place;                              column maxima (8 warps -> smem) -> c
+//   5. codes of Y / c, refit sums (8 warps -> smem) -> refitted c; the last pass packs and stores.
+// A row's bit width is the same for the 32 lanes that hold it, so mixed-width (KDA) heads branch per
+// row without divergence; heads whose rows share one width b run a body compiled for that b.
+
+#ifdef SQ_EMULATE
+#include "cuda_emulation.h"  // the CPU build that the default test suite runs
+#else
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#endif
+#include <stdint.h>
+
+#ifndef SQ_PART
+#define SQ_PART 0  // 0 fused (readout + writeback), 1 readout only, 2 writeback from the readout's u, 3 pack
+#endif
+#ifndef SQ_DUAL
+#define SQ_DUAL 1  // 1 dual-axis (row and column scales), 0 rowwise absmax (mid-tread, no column scales)
+#endif
+#ifndef SQ_MIDRISE
+#define SQ_MIDRISE 1
+#endif
+#ifndef SQ_RECIP
+#define SQ_RECIP 1  // 1 DualAxisConfig.division == "reciprocal", 0 "exact"
+#endif
+#ifndef SQ_RMS
+#define SQ_RMS 1  // row statistic: 1 rms, 0 absmax
+#endif
+#ifndef SQ_KDA
+#define SQ_KDA 0  // 1: g is [N, H, K] (a gate per key row), 0: g is [N, H]
+#endif
+#ifndef SQ_REFITS
+#define SQ_REFITS 1  // DualAxisConfig.refit_iters
+#endif
+#ifndef SQ_DEBUG
+#define SQ_DEBUG 0  // 1: store X and the column scales of the codes (dbg_x, dbg_c) for the tests
+#endif
+#ifndef SQ_CLIPPED
+#define SQ_CLIPPED 0x1C  // bit b set: clip_b < 1, codes of the first pass need the clamp
+#endif
+
+namespace {
+
+constexpr int NUM_WARPS = 8;
+constexpr int THREADS = NUM_WARPS * 32;
+constexpr int ROWS = 16;             // key rows per warp
+constexpr int COLS = 4;              // value columns per lane
+constexpr int V = 32 * COLS;         // value columns of a head (fixed at 128)
+constexpr int MAX_K = NUM_WARPS * ROWS;
+constexpr int ROW_PAD = 20;          // floats per lane in the row-partials buffer (conflict-free float4)
+constexpr float MAGIC_ROUND = 12582912.0f;  // 1.5 * 2^23: w = MAGIC_ROUND + code, bits(w) low bits = code
+constexpr float MAGIC_LEVEL = 4194304.0f;   // 2^22: bits 0x4A800000 | (code << 1) is 2^22 + code
+constexpr float FP16_MAX = 65504.0f;
+constexpr float SCALE_MIN = 6.103515625e-05f;  // 2^-14
+
+enum Part { FUSED = 0, READOUT = 1, WRITEBACK = 2, PACK = 3 };
+constexpr bool DO_READOUT = SQ_PART == FUSED || SQ_PART == READOUT;
+constexpr bool DO_WRITEBACK = SQ_PART != READOUT;
+constexpr bool FROM_CODES = SQ_PART != PACK;
+
+struct Params {
+    const float* q;         // [N, HQ, K]
+    const float* k;         // [N, HQ, K]
+    const float* v;         // [N, H, V]
+    const float* g;         // [N, H] or [N, H, K] (log decay)
+    const float* beta;      // [N, H]
+    const float* x_in;      // [N, H, K, V] float states (PACK)
+    float* y;               // [N, H, V]
+    float* work;            // [N, H, V]: u (READOUT writes it, WRITEBACK reads it) or null
+    const int* slots;       // [N], -1: skip the row
+    int* codes;             // [S, W] int32 words
+    __half* row_scale;      // [S, Hs, K]
+    __half* col_scale;      // [S, Hs, V] (dual-axis) or null
+    const int* heads;       // [H, 4]: (b in 2..8 when every row has width b, else 0; scale slot or -1;
+                            //          first word of the head in a slot; its words, a multiple of 4)
+    const int* row_info;    // [H*K]: first word << 5 | bits
+    const float* row_winv;  // [H*K]: dual_axis.row_factor
+    const float* row_w2;    // [H*K]: dual_axis.refit_weights
+    const float* row_gain;  // [H*K]: dual_axis.row_gains
+    float* dbg_x;           // [N, H, K, V] or null: X before requantizing
+    float* dbg_c;           // [N, H, V] or null: the column scales the stored codes were computed against
+    float scale;            // q scale (after the optional L2 norm)
+    long long slot_words;   // W
+    int H, HQ, K, num_scaled, l2norm;
+};
+
+constexpr int STAGE_WORDS = MAX_K * V / 2;  // a head of FP16 pivot rows: 128 rows x 64 words (32 KB)
+
+struct Shared {
+    float4 row[MAX_K];        // (a k, a q, a, k): a = r_old e^g (pivot rows: e^g)
+    float4 rowp[MAX_K];       // (row factor f, refit weight, gain, -)
+    float2 rowq[MAX_K];       // (1/r or r, w^2 r^2) of the new row scales
+    int rinfo[MAX_K];         // first word << 5 | bits
+    float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
+    float red[12];
+    union {
+        uint4 stage[STAGE_WORDS / 4];             // the head's code words (step 1)
+        float scratch[NUM_WARPS * 32 * ROW_PAD];  // column partials [q][warp][V] / row partials [warp][lane][pad]
+    };
+};
+
+__device__ __forceinline__ float fp16_scale(float x) {
+    // base.fp16_scale: clamp in FP32, round to nearest FP16
+    return __half2float(__float2half_rn(fminf(fmaxf(x, SCALE_MIN), 65504.0f)));
+}
+
+// a / b correctly rounded for an FP16-valued b > 0 and rb ~ 1 / b (one Markstein correction; the
+// proof is in docs/kernels.md): the "exact" quantizer's division
+__device__ __forceinline__ float div_fp16(float a, float b, float rb) {
+    float q0 = __fmul_rn(a, rb);
+    float e = __fmaf_rn(-q0, b, a);
+    return __fmaf_rn(e, rb, q0);
+}
+
+template <int S>
+__device__ __forceinline__ uint32_t shift_right(uint32_t x) {  // S < 0 shifts left
+    if constexpr (S >= 0) return x >> S; else return x << (-S);
+}
+
+// ---------------------------------------------------------------- planes of one row (V = 128)
+// A row of b bits is split into planes (widest first, docs/format.md); the lane's 4 values of a
+// w-bit plane are 4w bits at byte offset l * w / 2 of the plane.
+
+template <int B> struct Planes;  // word offsets of the planes inside a row, -1 if absent
+template <> struct Planes<2> { static constexpr int p8 = -1, p4 = -1, p2 = 0, p1 = -1; };
+template <> struct Planes<3> { static constexpr int p8 = -1, p4 = -1, p2 = 0, p1 = 8; };
+template <> struct Planes<4> { static constexpr int p8 = -1, p4 = 0, p2 = -1, p1 = -1; };
+template <> struct Planes<5> { static constexpr int p8 = -1, p4 = 0, p2 = -1, p1 = 16; };
+template <> struct Planes<6> { static constexpr int p8 = -1, p4 = 0, p2 = 16, p1 = -1; };
+template <> struct Planes<7> { static constexpr int p8 = -1, p4 = 0, p2 = 16, p1 = 24; };
+template <> struct Planes<8> { static constexpr int p8 = 0, p4 = -1, p2 = -1, p1 = -1; };
+
+struct Chunks { uint32_t c8, c4, c2, c1; };  // the lane's bits of each plane
+
+template <int B>
+__device__ __forceinline__ Chunks load_chunks(const int* row, int lane) {
+    using P = Planes<B>;
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(row);
+    Chunks c{0, 0, 0, 0};
+    if constexpr (P::p8 >= 0) c.c8 = reinterpret_cast<const uint32_t*>(base + 4 * P::p8)[lane];
+    if constexpr (P::p4 >= 0) c.c4 = reinterpret_cast<const uint16_t*>(base + 4 * P::p4)[lane];
+    if constexpr (P::p2 >= 0) c.c2 = base[4 * P::p2 + lane];
+    if constexpr (P::p1 >= 0) c.c1 = (base[4 * P::p1 + (lane >> 1)] >> ((lane & 1) * 4)) & 0xF;
+    return c;
+}
+
+// 2 * code of column c, from the plane chunks (the 2^22 magic: bits 0x4A800000 | 2u = 2^22 + u)
+template <int B, int C>
+__device__ __forceinline__ uint32_t twice_code(const Chunks& ch) {
+    using P = Planes<B>;
+    uint32_t u = 0;
+    if constexpr (P::p8 >= 0) u |= shift_right<8 * C - 1>(ch.c8) & 0x1FEu;
+    if constexpr (P::p4 >= 0) u |= shift_right<4 * C - 1>(ch.c4) & 0x1Eu;
+    if constexpr (P::p2 >= 0) {
+        constexpr int O = B & ~3;  // code bits held by the 2-bit plane start here
+        u |= shift_right<2 * C - O - 1>(ch.c2) & (0x3u << (O + 1));
+    }
+    if constexpr (P::p1 >= 0) {
+        constexpr int O = B & ~1;
+        u |= shift_right<C - O - 1>(ch.c1) & (0x1u << (O + 1));
+    }
+    return u;
+}
+
+template <int B>
+__device__ __forceinline__ float zero_of() {  // code of level 0
+    return SQ_MIDRISE ? float(1 << (B - 1)) - 0.5f : float(1 << (B - 1));
+}
+
+template <int B>
+__device__ __forceinline__ void levels(const Chunks& ch, float* z) {
+    constexpr float OFF = MAGIC_LEVEL + (SQ_MIDRISE ? float(1 << (B - 1)) - 0.5f : float(1 << (B - 1)));
+    z[0] = __uint_as_float(0x4A800000u | twice_code<B, 0>(ch)) - OFF;
+    z[1] = __uint_as_float(0x4A800000u | twice_code<B, 1>(ch)) - OFF;
+    z[2] = __uint_as_float(0x4A800000u | twice_code<B, 2>(ch)) - OFF;
+    z[3] = __uint_as_float(0x4A800000u | twice_code<B, 3>(ch)) - OFF;
+}
+
+__device__ __forceinline__ void pivot_values(const int* row, int lane, float* z) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(row) + 2 * lane;  // 4 halves: 2 words
+    uint32_t a = w[0], b = w[1];
+    float2 lo = __half22float2(*reinterpret_cast<__half2*>(&a));
+    float2 hi = __half22float2(*reinterpret_cast<__half2*>(&b));
+    z[0] = lo.x; z[1] = lo.y; z[2] = hi.x; z[3] = hi.y;
+}
+
+// chunk of plane width W holding code bits O.. of the 4 codes (funnel shifts: no masks)
+template <int W, int O>
+__device__ __forceinline__ uint32_t plane_chunk(const uint32_t* code) {
+    uint32_t acc = 0;
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc = __funnelshift_r(acc, code[c] >> O, W);
+    return W == 8 ? acc : acc >> (32 - 4 * W);
+}
+
+template <int B>
+__device__ __forceinline__ void store_codes(int* row, int lane, const uint32_t* code) {
+    using P = Planes<B>;
+    uint8_t* base = reinterpret_cast<uint8_t*>(row);
+    if constexpr (P::p8 >= 0) reinterpret_cast<uint32_t*>(base + 4 * P::p8)[lane] = plane_chunk<8, 0>(code);
+    if constexpr (P::p4 >= 0) reinterpret_cast<uint16_t*>(base + 4 * P::p4)[lane] = uint16_t(plane_chunk<4, 0>(code));
+    if constexpr (P::p2 >= 0) base[4 * P::p2 + lane] = uint8_t(plane_chunk<2, (B & ~3)>(code));
+    if constexpr (P::p1 >= 0) {
+        uint32_t nib = plane_chunk<1, (B & ~1)>(code);                    // 4 bits
+        uint32_t pair = nib | (__shfl_xor_sync(0xffffffffu, nib, 1) << 4);  // with the odd lane's
+        if ((lane & 1) == 0) base[4 * P::p1 + (lane >> 1)] = uint8_t(pair);
+    }
+}
+
+__device__ __forceinline__ void store_pivots(int* row, int lane, const float* x) {
+    __half2 lo = __floats2half2_rn(fminf(fmaxf(x[0], -FP16_MAX), FP16_MAX), fminf(fmaxf(x[1], -FP16_MAX), FP16_MAX));
+    __half2 hi = __floats2half2_rn(fminf(fmaxf(x[2], -FP16_MAX), FP16_MAX), fminf(fmaxf(x[3], -FP16_MAX), FP16_MAX));
+    uint32_t* w = reinterpret_cast<uint32_t*>(row) + 2 * lane;
+    w[0] = *reinterpret_cast<uint32_t*>(&lo);
+    w[1] = *reinterpret_cast<uint32_t*>(&hi);
+}
+
+// Runs f.template operator()<B>() for a row's runtime width (warp-uniform: no divergence).
+template <typename F>
+__device__ __forceinline__ void by_width(int b, F&& f) {
+    switch (b) {
+        case 2: f.template operator()<2>(); break;
+        case 3: f.template operator()<3>(); break;
+        case 4: f.template operator()<4>(); break;
+        case 5: f.template operator()<5>(); break;
+        case 6: f.template operator()<6>(); break;
+        case 7: f.template operator()<7>(); break;
+        case 8: f.template operator()<8>(); break;
+        default: f.template operator()<16>(); break;
+    }
+}
+
+// one code of width B from t = Y / c (the scaled value), as w = MAGIC_ROUND + code; clamped to the
+// grid when CLAMP (codec: base.round_to_codes, exact_sum with the reciprocal quantizer)
+template <int B, bool CLAMP>
+__device__ __forceinline__ float round_code(float t) {
+    constexpr float OFFSET = float(1 << (B - 1));  // zero(b) on mid-tread, zero(b) + 1/2 on mid-rise
+    float w;
+    if constexpr (SQ_RECIP && SQ_DUAL) {
+        // floor / rint of the exact t + 2^(b-1): one add with a directed rounding mode
+        w = SQ_MIDRISE ? __fadd_rd(t, MAGIC_ROUND + OFFSET) : __fadd_rn(t, MAGIC_ROUND + OFFSET);
+    } else {
+        // the FP32 sum first, then floor / rint (torch: floor(t + offset), round(t + zero))
+        float s = __fadd_rn(t, OFFSET);
+        w = (SQ_MIDRISE && SQ_DUAL) ? __fadd_rd(s, MAGIC_ROUND) : __fadd_rn(s, MAGIC_ROUND);
+    }
+    if constexpr (CLAMP) {
+        constexpr float LO = MAGIC_ROUND + ((SQ_MIDRISE && SQ_DUAL) ? 0.0f : 1.0f);
+        constexpr float HI = MAGIC_ROUND + float((1 << B) - 1);
+        w = fminf(fmaxf(w, LO), HI);
+    }
+    return w;
+}
+
+template <int B>
+__device__ __forceinline__ float level_of(float w) {  // code - zero(b), exact
+    if constexpr (SQ_MIDRISE && SQ_DUAL) return (w - (MAGIC_ROUND + float(1 << (B - 1)))) + 0.5f;
+    else return w - (MAGIC_ROUND + float(1 << (B - 1)));
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+    for (int m = 16; m > 0; m >>= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+    return x;
+}
+
+// ---------------------------------------------------------------- the step of one (request, head)
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+#ifdef SQ_EMULATE
+    memcpy(smem, gmem, 16);
+#else
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#ifndef SQ_EMULATE
+    asm volatile("cp.async.commit_group;\n" ::);
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+#endif
+}
+
+// Steps 3-5 on the tile x (levels or float state in, nothing out): X, row scales, column scales, codes.
+template <int KIND>
+__device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&x)[ROWS][COLS],
+                                           const bool (&row_pivot)[ROWS], const float (&c_old)[COLS],
+                                           long long nh, int* slot_codes, long long rs_base, long long cs_base,
+                                           bool has_scales, int4 head) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int K = p.K;
+    const int row0 = warp * ROWS;
+    auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
+    int* head_codes = slot_codes + head.z;
+
+    // ---- 3. X = D S + k u^T (in place), row statistic -> new row scales
+    __syncthreads();  // the scratch buffer held the readout partials
+    {
+        const float4 u4 = *reinterpret_cast<const float4*>(&sm.col[1][4 * lane]);
+        const float u[COLS] = {u4.x, u4.y, u4.z, u4.w};
+        float* mine = sm.scratch + (warp * 32 + lane) * ROW_PAD;  // this lane's partial statistic per row
+#pragma unroll
+        for (int r0 = 0; r0 < ROWS; r0 += 4) {
+            float stat[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int r = r0; r < r0 + 4; ++r) {
+                const int i = row0 + r;
+                if constexpr (FROM_CODES) {
+                    const float4 rc = sm.row[i];
+#pragma unroll
+                    for (int c = 0; c < COLS; ++c) {
+                        const float ac = row_pivot[r] ? rc.z : __fmul_rn(rc.z, c_old[c]);
+                        x[r][c] = __fmaf_rn(x[r][c], ac, __fmul_rn(rc.w, u[c]));
+                    }
+                }
+                if (SQ_DEBUG && row0 < K)
+                    *reinterpret_cast<float4*>(p.dbg_x + ((nh * K + i) * V + 4 * lane)) =
+                        make_float4(x[r][0], x[r][1], x[r][2], x[r][3]);
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) {
+                    if (SQ_RMS && SQ_DUAL) stat[r - r0] = __fmaf_rn(x[r][c], x[r][c], stat[r - r0]);
+                    else stat[r - r0] = fmaxf(stat[r - r0], fabsf(x[r][c]));
+                }
+            }
+            *reinterpret_cast<float4*>(mine + r0) = make_float4(stat[0], stat[1], stat[2], stat[3]);
+        }
+        __syncwarp();
+        const int rho = lane >> 1, half = lane & 1;  // lanes 2 rho, 2 rho + 1 reduce row rho of the warp
+        const float* theirs = sm.scratch + (warp * 32 + 16 * half) * ROW_PAD + rho;
+        float s = 0.f;
+#pragma unroll
+        for (int l = 0; l < 16; ++l) {
+            const float t = theirs[l * ROW_PAD];
+            s = (SQ_RMS && SQ_DUAL) ? s + t : fmaxf(s, t);
+        }
+        const float o = __shfl_xor_sync(0xffffffffu, s, 1);
+        s = (SQ_RMS && SQ_DUAL) ? s + o : fmaxf(s, o);
+        const int i = row0 + rho;
+        if (half == 0 && row0 < K) {
+            const int b = KIND ? KIND : (sm.rinfo[i] & 31);
+            const float4 rp = sm.rowp[i];
+            float r_new = 1.f;  // pivot rows: 1 (unused, as the codec writes)
+            if (b <= 8) {
+                if constexpr (SQ_DUAL) {
+                    const float m = SQ_RMS ? __fsqrt_rn(s * (1.f / V)) : s;
+                    r_new = fp16_scale(__fmul_rn(__fsqrt_rn(m), rp.x));
+                } else {
+                    r_new = fp16_scale(__fdiv_rn(s, float((1 << (b - 1)) - 1)));
+                }
+            }
+            if (has_scales) p.row_scale[rs_base + i] = __float2half_rn(r_new);
+            const float w2r2 = __fmul_rn(__fmul_rn(rp.y, r_new), r_new);
+            sm.rowq[i] = make_float2((SQ_RECIP && SQ_DUAL) ? __frcp_rn(r_new) : r_new, w2r2);
+        }
+        __syncwarp();
+    }
+
+    // ---- 4. Y = X / r (dual-axis), column maxima -> column scales of the first codes
+    float cc[COLS] = {1.f, 1.f, 1.f, 1.f}, rcc[COLS] = {1.f, 1.f, 1.f, 1.f};
+    auto load_cols = [&]() {
+        const float4 c4 = *reinterpret_cast<const float4*>(&sm.col[2][4 * lane]);
+        const float4 r4 = *reinterpret_cast<const float4*>(&sm.col[3][4 * lane]);
+        cc[0] = c4.x; cc[1] = c4.y; cc[2] = c4.z; cc[3] = c4.w;
+        rcc[0] = r4.x; rcc[1] = r4.y; rcc[2] = r4.z; rcc[3] = r4.w;
+    };
+    if constexpr (SQ_DUAL) {
+        float colmax[COLS] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            if (row_pivot[r]) continue;
+            const float rq = sm.rowq[row0 + r].x;
+            const float gain = KIND ? 1.f : sm.rowp[row0 + r].z;
+#pragma unroll
+            for (int c = 0; c < COLS; ++c) {
+                x[r][c] = SQ_RECIP ? __fmul_rn(x[r][c], rq) : div_fp16(x[r][c], rq, __fdividef(1.f, rq));
+                colmax[c] = KIND ? fmaxf(colmax[c], fabsf(x[r][c])) : fmaxf(colmax[c], __fmul_rn(fabsf(x[r][c]), gain));
+            }
+        }
+        __syncthreads();  // row partials read
+        float* part = sm.scratch;
+        *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(colmax[0], colmax[1], colmax[2], colmax[3]);
+        __syncthreads();
+        if (tid >= MAX_K) {
+            const int j = tid - MAX_K;
+            float m = 0.f;
+#pragma unroll
+            for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, part[w * V + j]);
+            // one width per head: max(|Y| gain) = max(|Y|) gain (gain > 0 and rounding is monotone)
+            const float c0 = fp16_scale(KIND ? __fmul_rn(m, sm.rowp[0].z) : m);
+            sm.col[2][j] = c0;
+            sm.col[3][j] = SQ_RECIP ? __frcp_rn(c0) : __fdividef(1.f, c0);
+        }
+        __syncthreads();
+        load_cols();
+    }
+
+    // ---- 5. codes against the current column scales; refits; the last pass packs in place
+    constexpr bool REFIT = SQ_DUAL && SQ_REFITS > 0;
+    // one pass over the tile: codes (clamped to the grid unless they provably stay on it), refit sums,
+    // and in the last pass the packed words
+    auto code_pass = [&]<bool FIRST, bool LAST>() {
+        float num[COLS] = {0.f, 0.f, 0.f, 0.f}, den[COLS] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            const int i = row0 + r;
+            int* row = head_codes + row_offset(i);
+            if (row_pivot[r]) {
+                if (LAST && row0 < K) store_pivots(row, lane, x[r]);
+                continue;
+            }
+            const float2 rq = sm.rowq[i];
+            auto body = [&]<int BB>() {
+                if constexpr (BB <= 8) {
+                    // the first codes of a row whose clip_b is 1 cannot leave the grid (docs/kernels.md)
+                    constexpr bool CLAMP = !(FIRST && SQ_DUAL && !((SQ_CLIPPED >> BB) & 1));
+                    uint32_t code[COLS];
+#pragma unroll
+                    for (int c = 0; c < COLS; ++c) {
+                        float t;
+                        if constexpr (!SQ_DUAL) t = div_fp16(x[r][c], rq.x, __fdividef(1.f, rq.x));
+                        else if constexpr (SQ_RECIP) t = __fmul_rn(x[r][c], rcc[c]);
+                        else t = div_fp16(x[r][c], cc[c], rcc[c]);
+                        const float w = round_code<BB, CLAMP>(t);
+                        code[c] = __float_as_uint(w);
+                        if constexpr (REFIT) {
+                            const float z = level_of<BB>(w);
+                            const float wz = __fmul_rn(rq.y, z);
+                            num[c] = __fmaf_rn(wz, x[r][c], num[c]);  // (w^2 r^2 z) Y
+                            den[c] = __fmaf_rn(wz, z, den[c]);
+                        }
+                    }
+                    if (LAST && row0 < K) store_codes<BB>(row, lane, code);
+                }
+            };
+            if constexpr (KIND) body.template operator()<KIND>();
+            else by_width(sm.rinfo[i] & 31, body);
+        }
+        if (SQ_DEBUG && LAST && tid >= MAX_K) p.dbg_c[nh * V + tid - MAX_K] = SQ_DUAL ? sm.col[2][tid - MAX_K] : 1.f;
+        if constexpr (REFIT) {
+            // refit c = sum (w^2 r^2 z) Y / sum (w^2 r^2 z) z over the head's rows (8 warps -> smem)
+            __syncthreads();
+            float* part = sm.scratch;
+            *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(num[0], num[1], num[2], num[3]);
+            *reinterpret_cast<float4*>(&part[(NUM_WARPS + warp) * V + 4 * lane]) = make_float4(den[0], den[1], den[2], den[3]);
+            __syncthreads();
+            if (tid >= MAX_K) {
+                const int j = tid - MAX_K;
+                float sn = 0.f, sd = 0.f;
+#pragma unroll
+                for (int w = 0; w < NUM_WARPS; ++w) { sn += part[w * V + j]; sd += part[(NUM_WARPS + w) * V + j]; }
+                const float c_fit = sd > 0.f ? fp16_scale(__fdiv_rn(sn, sd)) : sm.col[2][j];
+                if (LAST) {
+                    sm.col[0][j] = c_fit;  // stored below; col[2] keeps the scales the codes were computed against
+                } else {
+                    sm.col[2][j] = c_fit;
+                    sm.col[3][j] = SQ_RECIP ? __frcp_rn(c_fit) : __fdividef(1.f, c_fit);
+                }
+            }
+            __syncthreads();
+            if (!LAST) load_cols();
+        }
+    };
+    if constexpr (SQ_REFITS <= 1 || !SQ_DUAL) {
+        code_pass.template operator()<true, true>();
+    } else {
+        code_pass.template operator()<true, false>();
+#pragma unroll 1
+        for (int pass = 1; pass < SQ_REFITS - 1; ++pass) code_pass.template operator()<false, false>();
+        code_pass.template operator()<false, true>();
+    }
+    // ---- the new column scales: the refitted ones, or the init without refits
+    if (SQ_DUAL && has_scales && tid >= MAX_K) {
+        const int j = tid - MAX_K;
+        p.col_scale[cs_base + j] = __float2half_rn(REFIT ? sm.col[0][j] : sm.col[2][j]);
+    }
+}
+
+template <int KIND>  // 2..8: every row of the head has KIND bits; 0: per-row widths (and FP16 pivot rows)
+__device__ void head_step(const Params& p, Shared& sm, int n, int h, long long slot, int4 head) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int K = p.K;
+    const int hs = head.y;  // scale slot, -1: the head has no scales (a GDN pivot head)
+    const bool has_scales = hs >= 0;
+    const int hq = h / (p.H / p.HQ);
+    int* slot_codes = p.codes + slot * p.slot_words;
+    const long long rs_base = (slot * p.num_scaled + hs) * (long long)K;
+    const long long cs_base = (slot * p.num_scaled + hs) * (long long)V;
+    const long long nh = (long long)n * p.H + h;
+    const int row0 = warp * ROWS;  // this warp's first key row
+    // where row i starts, in words from the head's first word (heads of one width: a fixed stride)
+    auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
+
+    // ---- 0. the head's code words into shared memory (16-byte copies: rows are 16-byte multiples at
+    // V = 128), overlapped with the per-row inputs
+    if constexpr (FROM_CODES) {
+        const uint4* src = reinterpret_cast<const uint4*>(slot_codes + head.z);
+        uint4* dst = sm.stage;
+        for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(dst + e, src + e);
+    }
+    if (tid < MAX_K) {  // one thread per key row: raw k, q and their partial norms
+        const int i = tid;
+        float k_i = 0.f, q_i = 0.f;
+        if (i < K && SQ_PART != PACK) {
+            k_i = p.k[((long long)n * p.HQ + hq) * K + i];
+            q_i = p.q[((long long)n * p.HQ + hq) * K + i];
+        }
+        const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
+        if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
+        sm.row[i] = make_float4(k_i, q_i, 0.f, 0.f);
+    } else {  // one thread per value column: the old column scale
+        const int j = tid - MAX_K;
+        sm.col[0][j] = (SQ_DUAL && has_scales && FROM_CODES) ? __half2float(p.col_scale[cs_base + j]) : 1.f;
+    }
+    __syncthreads();
+    const float kn = sm.red[0] + sm.red[1] + sm.red[2] + sm.red[3];
+    const float qn = sm.red[4] + sm.red[5] + sm.red[6] + sm.red[7];
+    float fq = p.scale, fk = 1.f;  // transformers' in-kernel L2 norm (recurrence.l2norm), then q * scale
+    if (p.l2norm) {
+        fk = SQ_KDA ? 1.f / sqrtf(kn + 1e-6f) : rsqrtf(kn + 1e-6f);
+        fq = (SQ_KDA ? 1.f / sqrtf(qn + 1e-6f) : rsqrtf(qn + 1e-6f)) * p.scale;
+    }
+    const float kq = (sm.red[8] + sm.red[9] + sm.red[10] + sm.red[11]) * (fk * fq);
+    if (tid < MAX_K) {
+        // rows past K are neutral: a = k = q = 0 makes their X zero, refit weight 0 keeps them out of
+        // the fit, a valid width keeps their (unused) levels finite; nothing of theirs is stored
+        const int i = tid;
+        const float4 raw = sm.row[i];
+        int info = (head.z << 5) | (KIND ? KIND : 2);
+        float a = 0.f, winv = 1.f, w2 = 0.f, gain = 0.f;
+        if (i < K) {
+            info = p.row_info[h * K + i];
+            const int b = info & 31;
+            const float eg = !FROM_CODES ? 1.f : SQ_KDA ? expf(p.g[nh * K + i]) : expf(p.g[nh]);
+            const float r_old = (has_scales && b <= 8 && FROM_CODES) ? __half2float(p.row_scale[rs_base + i]) : 1.f;
+            a = r_old * eg;  // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1)
+            winv = p.row_winv[h * K + i];
+            w2 = p.row_w2[h * K + i];
+            gain = p.row_gain[h * K + i];
+        }
+        const float k_i = raw.x * fk, q_i = raw.y * fq;
+        sm.rinfo[i] = info;
+        sm.rowp[i] = make_float4(winv, w2, gain, 0.f);
+        sm.rowq[i] = make_float2(1.f, 0.f);
+        sm.row[i] = make_float4(a * k_i, a * q_i, a, k_i);
+    }
+    if constexpr (FROM_CODES) cp_async_wait_all();
+    __syncthreads();
+
+    float x[ROWS][COLS];  // levels, then X, then Y (pivot rows: values, then X)
+    bool row_pivot[ROWS];
+    const float4 c_old4 = *reinterpret_cast<const float4*>(&sm.col[0][4 * lane]);
+    const float c_old[COLS] = {c_old4.x, c_old4.y, c_old4.z, c_old4.w};
+
+    // ---- 1. levels (or the float state) and readout partials
+    float acc[4][COLS];  // k^T D S and q^T D S of integer rows (times c later), then of pivot rows
+#pragma unroll
+    for (int a = 0; a < 4; ++a)
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) acc[a][c] = 0.f;
+    const int* stage = reinterpret_cast<const int*>(sm.stage);
+#pragma unroll
+    for (int r = 0; r < ROWS; ++r) {
+        const int i = row0 + r;
+        const int b = KIND ? KIND : (sm.rinfo[i] & 31);
+        row_pivot[r] = b == 16;
+        if constexpr (FROM_CODES) {
+            const int* row = stage + row_offset(i);
+            if constexpr (KIND) {
+                levels<KIND>(load_chunks<KIND>(row, lane), x[r]);
+            } else {
+                by_width(b, [&]<int BB>() {
+                    if constexpr (BB == 16) pivot_values(row, lane, x[r]);
+                    else levels<BB>(load_chunks<BB>(row, lane), x[r]);
+                });
+            }
+        } else {
+            float4 v4 = make_float4(0.f, 0.f, 0.f, 0.f);
+            if (row0 < K) v4 = *reinterpret_cast<const float4*>(p.x_in + ((nh * K + i) * V + 4 * lane));
+            x[r][0] = v4.x; x[r][1] = v4.y; x[r][2] = v4.z; x[r][3] = v4.w;
+        }
+        if constexpr (DO_READOUT) {
+            const float4 rc = sm.row[i];
+            const int o = (KIND == 0 && row_pivot[r]) ? 2 : 0;
+#pragma unroll
+            for (int c = 0; c < COLS; ++c) {
+                acc[o][c] = __fmaf_rn(rc.x, x[r][c], acc[o][c]);
+                acc[o + 1][c] = __fmaf_rn(rc.y, x[r][c], acc[o + 1][c]);
+            }
+        }
+    }
+    __syncthreads();  // the stage is read: its memory holds the partial sums from here on
+
+    // ---- 2. u and y (threads 128..255 hold the columns)
+    if constexpr (DO_READOUT) {
+        constexpr int NQ = KIND ? 2 : 4;
+        float* part = sm.scratch;  // [NQ][NUM_WARPS][V]
+#pragma unroll
+        for (int a = 0; a < NQ; ++a)
+            *reinterpret_cast<float4*>(&part[(a * NUM_WARPS + warp) * V + 4 * lane]) =
+                make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]);
+        __syncthreads();
+        if (tid >= MAX_K) {
+            const int j = tid - MAX_K;
+            float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int a = 0; a < NQ; ++a)
+#pragma unroll
+                for (int w = 0; w < NUM_WARPS; ++w) s[a] += part[(a * NUM_WARPS + w) * V + j];
+            const float cj = sm.col[0][j];
+            const float kds = __fmaf_rn(cj, s[0], s[2]);  // k^T (D S)_j
+            const float qds = __fmaf_rn(cj, s[1], s[3]);  // q^T (D S)_j
+            const float u = p.beta[nh] * (p.v[nh * V + j] - kds);
+            sm.col[1][j] = u;
+            p.y[nh * V + j] = __fmaf_rn(kq, u, qds);  // y = X^T q, read before requantizing
+            if (SQ_PART == READOUT && p.work) p.work[nh * V + j] = u;
+        }
+        __syncthreads();
+    } else if constexpr (SQ_PART == WRITEBACK) {
+        if (tid >= MAX_K) sm.col[1][tid - MAX_K] = p.work[nh * V + tid - MAX_K];
+        __syncthreads();
+    } else if constexpr (SQ_PART == PACK) {
+        if (tid >= MAX_K) sm.col[1][tid - MAX_K] = 0.f;
+        __syncthreads();
+    }
+    if constexpr (DO_WRITEBACK) {
+        requantize<KIND>(p, sm, x, row_pivot, c_old, nh, slot_codes, rs_base, cs_base, has_scales, head);
+    }
+}
+
+__global__ void __launch_bounds__(THREADS, 2) packed_step_kernel(const Params p) {
+    __shared__ Shared sm;
+    const int n = blockIdx.x, h = blockIdx.y;
+    const int slot = p.slots[n];
+    if (slot < 0) return;  // a free batch row: its output and every slot stay untouched
+    const int4 head = reinterpret_cast<const int4*>(p.heads)[h];  // (kind, scale slot, first word, words)
+    switch (head.x) {
+        case 2: head_step<2>(p, sm, n, h, slot, head); break;
+        case 3: head_step<3>(p, sm, n, h, slot, head); break;
+        case 4: head_step<4>(p, sm, n, h, slot, head); break;
+        case 5: head_step<5>(p, sm, n, h, slot, head); break;
+        case 6: head_step<6>(p, sm, n, h, slot, head); break;
+        case 7: head_step<7>(p, sm, n, h, slot, head); break;
+        case 8: head_step<8>(p, sm, n, h, slot, head); break;
+        default: head_step<0>(p, sm, n, h, slot, head); break;
+    }
+}
+
+}  // namespace
+
+extern "C" int sq_packed_step(const Params* p, int num_rows, int device, void* stream) {
+    cudaError_t err = cudaSetDevice(device);
+    if (err != cudaSuccess) return int(err);
+    if (num_rows == 0) return 0;
+    dim3 grid(num_rows, p->H);
+#ifdef SQ_EMULATE
+    emulate_launch(grid, dim3(THREADS), packed_step_kernel, *p);
+#else
+    packed_step_kernel<<<grid, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+#endif
+    return int(cudaGetLastError());
+}
+
+extern "C" int sq_params_size() { return int(sizeof(Params)); }
+
+extern "C" const char* sq_error_string(int status) { return cudaGetErrorString(cudaError_t(status)); }
