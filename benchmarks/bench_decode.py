@@ -332,7 +332,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 out = torch.empty(batch, heads, VALUE_DIM, device=DEVICE, dtype=torch.float32)
                 kwargs = dict(use_qk_l2norm=True, out=out, part=part)
                 if backend == "cuda":
-                    if part != "fused":  # the split: the readout leaves u in work, the writeback starts from it
+                    if part != "fused":  # the split: the readout leaves u in work, the writeback reads it
                         kwargs["work"] = torch.zeros(batch, heads, VALUE_DIM, device=DEVICE)
                     call = lambda s, layer=layer, x=inputs, kw=kwargs: cuda.packed_decode(layer, s, *x, **kw)
                 else:
@@ -386,7 +386,8 @@ def check(name: str, spec: dict) -> list[dict]:
                             y_rel_rms=rel(y[[0, 2, 3]], y_ref[[0, 2, 3]]),
                             state_rel_rms=rel(got.dequantize(), want.dequantize()),
                             codes_equal_fraction=float((got.codes == want.codes).float().mean()),
-                            row_scales_equal_fraction=float((got.row_scale == want.row_scale).float().mean())))
+                            row_scales_equal_fraction=float((got.row_scale == want.row_scale).float().mean()),
+                            ))
     return results
 
 

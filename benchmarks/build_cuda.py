@@ -27,12 +27,13 @@ EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)  # the committed plans
 PACK_EXACT = DualAxisConfig(refit_iters=0, row_stat="absmax")  # test_cuda_kernel's exact pack check
 
 # (spatial, quantizer, part, kda, debug)
+DUAL = (RECIPROCAL_1, EXACT_2)
 CONFIGS = (
-    [("dual_axis", q, part, kda, False) for q in (RECIPROCAL_1, EXACT_2) for part in ("fused", "readout", "writeback")
+    [("dual_axis", q, part, kda, False) for q in DUAL for part in ("fused", "readout", "writeback")
      for kda in (False, True)]
-    + [("dual_axis", q, "fused", kda, True) for q in (RECIPROCAL_1, EXACT_2) for kda in (False, True)]
+    + [("dual_axis", q, "fused", kda, True) for q in DUAL for kda in (False, True)]
     + [("absmax", EXACT_2, "fused", kda, debug) for kda in (False, True) for debug in (False, True)]
-    + [("dual_axis", q, "pack", False, debug) for q in (RECIPROCAL_1, EXACT_2, PACK_EXACT) for debug in (False, True)]
+    + [("dual_axis", q, "pack", False, debug) for q in (*DUAL, PACK_EXACT) for debug in (False, True)]
 )
 
 
@@ -48,7 +49,8 @@ def main(argv=None) -> int:
     started = time.time()
     unique = {}
     for spatial, quantizer, part, kda, debug in CONFIGS:
-        layer = PackedLayer(LayerPlan(torch.full((1, 16), 6, dtype=torch.int8), None, spatial, quantizer), 1, 128)
+        bits = torch.full((1, 16), 6, dtype=torch.int8)
+        layer = PackedLayer(LayerPlan(bits, None, spatial, quantizer), 1, 128)
         unique[cuda.defines_for(layer, part, kda, debug)] = None
 
     def one(defines):

@@ -1,12 +1,12 @@
 """The CUDA decode kernel (stepquant/kernels/decode/packed_step.cu) against the torch reference.
 
 On the CPU the kernel's own source runs through its emulation build (cuda_emulation.h: g++, CTAs one after
-another, threads as OS threads) at small, awkward shapes: K = 112 and 48 (the kernel takes K in steps of 16), heads of every uniform width with
-their plane combinations, a mixed-width head with FP16 pivot rows, a GDN pivot head, grouped keys and
-skipped batch rows. @pytest.mark.gpu tests repeat the checks at real shapes on CUDA. The policy is
-docs/kernels.md's: codes and packed words exact given the kernel's X and scales, scales within two FP16
-steps (exact where the statistic is order-independent), X and y by relative RMS, and the stored state's
-error at most 2x the reference's own quantization error.
+another, threads as OS threads) at small, awkward shapes: K = 112 and 48 (the kernel takes K in steps of
+16), heads of every uniform width with their plane combinations, a mixed-width head with FP16 pivot rows,
+a GDN pivot head, grouped keys and skipped batch rows. @pytest.mark.gpu tests repeat the checks at real
+shapes on CUDA. The policy is docs/kernels.md's: codes and packed words exact given the kernel's X and
+scales, scales within two FP16 steps (exact where the statistic is order-independent), X and y by
+relative RMS, and the stored state's error at most 2x the reference's own quantization error.
 """
 
 from __future__ import annotations
@@ -88,7 +88,8 @@ def test_decode_matches_reference(shape, config, kda):
     kernel, q_heads = _layer(shape, config, num_slots=5)
     heads, key_dim = kernel.num_heads, kernel.key_dim
     all_slots = torch.arange(5, dtype=torch.int32)
-    naive_pack_states(kernel, all_slots, torch.randn(5, heads, key_dim, 128, generator=torch.Generator().manual_seed(4)))
+    start = torch.randn(5, heads, key_dim, 128, generator=torch.Generator().manual_seed(4))
+    naive_pack_states(kernel, all_slots, start)
     ref = clone_layer(kernel)
     before = [t.clone() for t in kernel.tensors()]
     slots = torch.tensor([4, -1, 1], dtype=torch.int32)  # a skipped batch row; slots 0, 2, 3 untouched
@@ -139,7 +140,7 @@ def test_split_readout_then_writeback():
     work = torch.zeros(3, 4, 128)
     y = torch.full((3, 4, 128), float("nan"))
     cuda.packed_decode(split, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, part="readout", work=work)
-    assert all(torch.equal(a, b) for a, b in zip(before, split.tensors(), strict=True)), "readout wrote a slot"
+    assert all(torch.equal(a, b) for a, b in zip(before, split.tensors(), strict=True)), "readout wrote"
     assert torch.equal(y[[0, 2]], y_fused[[0, 2]]) and torch.isnan(y[1]).all()
     y_before = y.clone()
     cuda.packed_decode(split, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, part="writeback", work=work)

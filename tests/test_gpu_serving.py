@@ -99,7 +99,8 @@ def test_packed_cache_on_gpu_matches_the_compressed_cache(name, monkeypatch):
     launches = []  # decode steps that ran a GPU kernel (CUDA where it serves the layer, else Triton)
     for module, name_ in ((decode_kernels, "fused_packed_decode"), (decode_kernels.cuda, "packed_decode")):
         kernel = getattr(module, name_)
-        monkeypatch.setattr(module, name_, lambda *a, _kernel=kernel, **kw: launches.append(1) or _kernel(*a, **kw))
+        counted = lambda *a, _kernel=kernel, **kw: launches.append(1) or _kernel(*a, **kw)
+        monkeypatch.setattr(module, name_, counted)
     ids = torch.randint(1, 8000, (2, 12), generator=torch.Generator().manual_seed(22)).cuda()
     ours = PackedStateCache(model.config, plan, max_batch=2, device="cuda")
     reference = CompressedStateCache(model.config, plan)

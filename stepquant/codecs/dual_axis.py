@@ -308,7 +308,8 @@ def scale_down(a: torch.Tensor, scale: torch.Tensor, config: DualAxisConfig) -> 
     return a * (1.0 / scale) if config.division == "reciprocal" else a / scale
 
 
-def codes_for(y: torch.Tensor, c: torch.Tensor, bits: torch.Tensor | int, config: DualAxisConfig) -> torch.Tensor:
+def codes_for(y: torch.Tensor, c: torch.Tensor, bits: torch.Tensor | int,
+              config: DualAxisConfig) -> torch.Tensor:
     """Step 4: the codes of the row-normalised state Y [N, H, K, V] against column scales c [N, H, V].
 
     bits broadcasts against Y (e.g. [1, H, K, 1]). The one definition of the codes a fit stores given its

@@ -61,7 +61,8 @@ def decode_step_packed(
     backend: "cuda", "triton" or "torch"; default :func:`backend_for` (the fastest that serves the layer).
     """
     backend = backend_for(layer) if backend is None else backend
-    fn = {"cuda": cuda.packed_decode, "triton": fused_packed_decode, "torch": naive_packed_decode}.get(backend)
+    fns = {"cuda": cuda.packed_decode, "triton": fused_packed_decode, "torch": naive_packed_decode}
+    fn = fns.get(backend)
     if fn is None:
         raise ValueError(f"backend must be one of {list(BACKENDS)}, got {backend!r}")
     return fn(layer, slots, q, k, v, g, beta, scale=scale, use_qk_l2norm=use_qk_l2norm, out=out)
@@ -69,5 +70,5 @@ def decode_step_packed(
 
 def pack_states(layer: PackedLayer, slots: torch.Tensor, states: torch.Tensor) -> None:
     """Quantize float states [N, H, K, V] into ``slots`` (the backend of :func:`backend_for`)."""
-    fn = {"cuda": cuda.pack_states, "triton": fused_pack_states, "torch": naive_pack_states}[backend_for(layer)]
-    fn(layer, slots, states)
+    fns = {"cuda": cuda.pack_states, "triton": fused_pack_states, "torch": naive_pack_states}
+    fns[backend_for(layer)](layer, slots, states)

@@ -97,7 +97,8 @@ def build(defines: tuple[tuple[str, int], ...], target: str) -> Path:
     target_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target_path.parent) as tmp:  # build aside, then rename: no torn file
         out = Path(tmp) / "packed_step.so"
-        result = subprocess.run([compiler, *flags, "-o", str(out), str(SOURCE)], capture_output=True, text=True)
+        command = [compiler, *flags, "-o", str(out), str(SOURCE)]
+        result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{Path(compiler).name} failed to build {SOURCE.name} ({' '.join(flags)}):\n"
                                f"{result.stderr[-4000:]}")
@@ -132,12 +133,13 @@ def defines_for(layer: PackedLayer, part: str, kda: bool, debug: bool = False) -
 
 def supported(layer: PackedLayer) -> bool:
     """Whether the CUDA kernel serves this layer (V = 128, K <= 128, on a CUDA device, nvcc at hand)."""
-    return (layer.device.type == "cuda" and _fits(layer) and torch.cuda.get_device_capability(layer.device)[0] >= 8
-            and nvcc_path() is not None)
+    return (layer.device.type == "cuda" and _fits(layer)
+            and torch.cuda.get_device_capability(layer.device)[0] >= 8 and nvcc_path() is not None)
 
 
 def _fits(layer: PackedLayer) -> bool:
-    return (layer.value_dim == VALUE_DIM and layer.key_dim <= MAX_KEY_DIM and layer.key_dim % KEY_DIM_STEP == 0)
+    k = layer.key_dim
+    return layer.value_dim == VALUE_DIM and k <= MAX_KEY_DIM and k % KEY_DIM_STEP == 0
 
 
 def _target(device: torch.device) -> str:
@@ -163,7 +165,8 @@ def launch(layer: PackedLayer, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *
         dbg_x = torch.full((num_rows, heads, key_dim, VALUE_DIM), float("nan"), device=layer.device)
         dbg_c = torch.full((num_rows, heads, VALUE_DIM), float("nan"), device=layer.device)
     p = _Params(
-        q=_ptr(q), k=_ptr(k), v=_ptr(v), g=_ptr(g), beta=_ptr(beta), x_in=_ptr(x_in), y=_ptr(y), work=_ptr(work),
+        q=_ptr(q), k=_ptr(k), v=_ptr(v), g=_ptr(g), beta=_ptr(beta), x_in=_ptr(x_in), y=_ptr(y),
+        work=_ptr(work),
         slots=_ptr(slots), codes=_ptr(layer.codes), row_scale=_ptr(layer.row_scale),
         col_scale=_ptr(layer.col_scale), heads=_ptr(layer.head_info), row_info=_ptr(layer.row_table),
         row_winv=_ptr(layer.row_winv), row_w2=_ptr(layer.row_w2), row_gain=_ptr(layer.row_gain),
@@ -180,9 +183,9 @@ def launch(layer: PackedLayer, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *
 
 def _check_supported(layer: PackedLayer) -> None:
     if not _fits(layer):
-        raise ValueError(f"the CUDA kernel serves V = {VALUE_DIM} and K a multiple of {KEY_DIM_STEP} up to "
-                         f"{MAX_KEY_DIM}; this layer has K = {layer.key_dim}, V = {layer.value_dim} (the Triton "
-                         "kernel, fused.py, serves any shape)")
+        raise ValueError(f"the CUDA kernel serves V = {VALUE_DIM} and K a multiple of {KEY_DIM_STEP} up "
+                         f"to {MAX_KEY_DIM}; this layer has K = {layer.key_dim}, V = {layer.value_dim} "
+                         "(the Triton kernel, fused.py, serves any shape)")
 
 
 def packed_decode(
@@ -212,16 +215,16 @@ def packed_decode(
     if part not in ("fused", "readout", "writeback"):
         raise ValueError(f"part must be 'fused', 'readout' or 'writeback', got {part!r}")
     if part == "writeback" and work is None:
-        raise ValueError("part='writeback' starts from the readout's u: pass the work buffer the readout filled")
-    if work is not None and (work.shape != v.shape or work.dtype != torch.float32 or not work.is_contiguous()):
+        raise ValueError("part='writeback' starts from the readout's u: pass the work buffer the readout "
+                         "filled")
+    if work is not None and (work.shape != v.shape or work.dtype != torch.float32
+                             or not work.is_contiguous()):
         raise ValueError(f"work must be a contiguous FP32 tensor of v's shape {list(v.shape)}")
     device = layer.device
     q, k, v, g, beta = (t.to(device, torch.float32).contiguous() for t in (q, k, v, g, beta))
     slots = slots.to(device, torch.int32).contiguous()
-    result = torch.empty(v.shape, dtype=torch.float32, device=device) if out is None or out.dtype != torch.float32 \
-        or not out.is_contiguous() else out
-    if part == "writeback" and out is not None:
-        result = out  # untouched
+    direct = out is not None and (part == "writeback" or (out.dtype == torch.float32 and out.is_contiguous()))
+    result = out if direct else torch.empty(v.shape, dtype=torch.float32, device=device)
     scale = layer.key_dim**-0.5 if scale is None else float(scale)
     launch(layer, slots, q, k, v, g, beta, result, None, part=part, scale=scale, use_qk_l2norm=use_qk_l2norm,
            work=work, debug=debug)
@@ -232,8 +235,9 @@ def packed_decode(
     return result
 
 
-def pack_states(layer: PackedLayer, slots: torch.Tensor, states: torch.Tensor, *, debug: dict | None = None) -> None:
-    """Quantize float states [N, H, K, V] into ``slots`` (-1: skip a row); the signature of fused_pack_states."""
+def pack_states(layer: PackedLayer, slots: torch.Tensor, states: torch.Tensor, *,
+                debug: dict | None = None) -> None:
+    """Quantize float states [N, H, K, V] into ``slots`` (-1: skip a row), as fused_pack_states."""
     expected = (slots.shape[0], layer.num_heads, layer.key_dim, layer.value_dim)
     if tuple(states.shape) != expected:
         raise ValueError(f"states must have shape [N, H, K, V] = {list(expected)}, got {list(states.shape)}")

@@ -466,7 +466,10 @@ def packed_step_kernel(
         NP: tl.constexpr = REFIT_ITERS if (USE_DUAL_AXIS and REFIT_ITERS > 0) else 1
         for it in tl.static_range(NP):
             b_cc = b_cn  # the column scales these codes are computed against
-            b_rcc = tl.math.div_rn(tl.full(b_cc.shape, 1.0, tl.float32), b_cc) if RECIP else _rcp(b_cc, APPROX_RCP)
+            if RECIP:
+                b_rcc = tl.math.div_rn(tl.full(b_cc.shape, 1.0, tl.float32), b_cc)
+            else:
+                b_rcc = _rcp(b_cc, APPROX_RCP)
             acc_n = tl.zeros([8, BKB, NM], dtype=tl.float32)
             acc_d = tl.zeros([8, BKB, NM], dtype=tl.float32)
             for kb in range(NKB):
