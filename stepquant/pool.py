@@ -183,6 +183,14 @@ class PackedLayer:
                 present |= width
         self.planes = present
 
+        self.pending: torch.cuda.Event | None = None  # a side-stream writeback into these pages
+
+    def wait_writes(self) -> None:
+        """Make the current stream wait for a pending side-stream writeback (decode_step_split)."""
+        if self.pending is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.pending)
+            self.pending = None
+
     @property
     def num_slots(self) -> int:
         return self.codes.shape[0]
@@ -219,12 +227,14 @@ class PackedLayer:
 
     def gather(self, slots: torch.Tensor | Sequence[int]) -> PackedState:
         """The packed states of ``slots`` (a copy), for the torch reference and the boundary path."""
+        self.wait_writes()
         index = _as_index(slots, self.num_slots, self.device)
         col = None if self.col_scale is None else self.col_scale[index]
         return PackedState(self.codes[index], self.row_scale[index], col, self.layout, self.grid)
 
     def scatter(self, slots: torch.Tensor | Sequence[int], packed: PackedState) -> None:
         """Write packed states (e.g. packing.pack of a codec's QState) into ``slots``."""
+        self.wait_writes()
         index = _as_index(slots, self.num_slots, self.device)
         if not packed.layout.same_as(self.layout):
             raise ValueError("packed states were built for a different layout (plan or value_dim differ)")
@@ -237,6 +247,7 @@ class PackedLayer:
 
     def zero_(self, slots: torch.Tensor | Sequence[int]) -> None:
         """Reset slots to the zero state (all code words and scales zero)."""
+        self.wait_writes()
         index = _as_index(slots, self.num_slots, self.device)
         for t in self.tensors():
             t[index] = 0

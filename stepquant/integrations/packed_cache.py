@@ -58,7 +58,7 @@ from transformers.cache_utils import LinearAttentionLayer
 
 from stepquant.accounting import SUPPORTED_MODEL_TYPES, shape_from_config
 from stepquant.calibrate.observers import adapter_for
-from stepquant.kernels.decode import decode_step_packed, naive_unpack_states, pack_states
+from stepquant.kernels.decode import decode_step_packed, decode_step_split, naive_unpack_states, pack_states
 from stepquant.pool import LayerPlan, PackedLayer, PackedStatePool, plans_from
 
 _ROUTE_MARK = "_stepquant_packed_route"
@@ -67,15 +67,17 @@ _ROUTE_MARK = "_stepquant_packed_route"
 class PackedSlots:
     """What ``PackedStateCache.get_recurrent_state`` hands the mixer instead of an FP32 state.
 
-    layer: the pool layer holding the states; slots: int32 [N] slot of each batch row (pool device).
+    layer: the pool layer holding the states; slots: int32 [N] slot of each batch row (pool device);
+    split_stream: the side stream of the split step (decode_step_split), or None for the fused step.
     ``to()`` returns the handle itself because Kimi-Linear's mixer calls ``state.to(torch.float32)``
     on the final state before storing it.
     """
 
-    __slots__ = ("layer", "slots")
+    __slots__ = ("layer", "slots", "split_stream")
 
-    def __init__(self, layer: PackedLayer, slots: torch.Tensor):
-        self.layer, self.slots = layer, slots
+    def __init__(self, layer: PackedLayer, slots: torch.Tensor,
+                 split_stream: torch.cuda.Stream | None = None):
+        self.layer, self.slots, self.split_stream = layer, slots, split_stream
 
     def to(self, *args, **kwargs) -> PackedSlots:
         return self
@@ -105,8 +107,12 @@ def _route(original: Callable) -> Callable:
             device = handle.layer.device
             # q, k [N, H_k, K]; v [N, H, V]; g [N, H] or [N, H, K]; beta [N, H]; FP32 like the model's path
             step_inputs = [t[:, 0].to(device, torch.float32) for t in (query, key, value, g, beta)]
-            y = decode_step_packed(handle.layer, handle.slots, *step_inputs, scale=kwargs.get("scale"),
-                                   use_qk_l2norm=use_qk_l2norm)  # [N, H, V]
+            options = dict(scale=kwargs.get("scale"), use_qk_l2norm=use_qk_l2norm)
+            if handle.split_stream is not None:  # readout here, writeback on the side stream
+                y = decode_step_split(handle.layer, handle.slots, *step_inputs, stream=handle.split_stream,
+                                      **options)
+            else:
+                y = decode_step_packed(handle.layer, handle.slots, *step_inputs, **options)  # [N, H, V]
             return y[:, None].to(device=value.device, dtype=query.dtype), handle
         # several tokens on an existing state: the model's own function from the decoded state, repacked
         initial = naive_unpack_states(handle.layer, handle.slots).to(value.device)  # [N, H, K, V] FP32
@@ -194,10 +200,11 @@ class PackedLinearAttentionLayer(LinearAttentionLayer):
     Convolution states are kept by the parent class as usual.
     """
 
-    def __init__(self, pool_layer: PackedLayer, rows: _RowSlots, **kwargs):
+    def __init__(self, pool_layer: PackedLayer, rows: _RowSlots, split_stream=None, **kwargs):
         super().__init__(number_of_states=1, **kwargs)
         self.pool_layer = pool_layer
         self.rows = rows
+        self.split_stream = split_stream
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0,
                             conv_kernel_size: int | None = None) -> None:
@@ -213,7 +220,7 @@ class PackedLinearAttentionLayer(LinearAttentionLayer):
         """The packed state of every batch row, or None before the first store."""
         if not self.has_previous_state[0] or self.rows.tensor is None:
             return None
-        return PackedSlots(self.pool_layer, self.rows.tensor)
+        return PackedSlots(self.pool_layer, self.rows.tensor, self.split_stream)
 
     def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
         """Pack a float state (the boundary after a prefill); a PackedSlots was already written in place."""
@@ -287,14 +294,19 @@ class PackedStateCache(DynamicCache):
     config:    the model's config (qwen3_next, qwen3_5(_text), qwen3_5_moe(_text), kimi_linear)
     plan:      a calibration plan (``Plan.load(dir)``: bits, w, spatial) or one LayerPlan per linear layer
     max_batch: slots in the pool = the most rows a forward may have (batch x num_beams for beam search)
-    device:    where the pool lives: the model's device ("cuda" for the Triton kernels)
+    device:    where the pool lives: the model's device ("cuda" for the GPU kernels)
+    split:     on CUDA, run each decode as the paper's split step: the readout on the model's stream and the
+               requantize + writeback on one side stream behind the following layers (decode_step_split;
+               the pool orders every later access of a layer after its writeback). Default False: the
+               fused step, which moves fewer bytes (the benchmark in benchmarks/results compares them)
 
         cache = PackedStateCache(model.config, Plan.load("plans/gdn/stepquant-6"), max_batch=4)
         model.generate(ids, past_key_values=cache, max_new_tokens=32)
         cache.reset()   # frees the slots; the cache serves a new batch
     """
 
-    def __init__(self, config, plan, *, max_batch: int, device: torch.device | str = "cpu"):
+    def __init__(self, config, plan, *, max_batch: int, device: torch.device | str = "cpu",
+                 split: bool = False):
         check_transformers_version()
         model_type = config_model_type(config)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -323,8 +335,12 @@ class PackedStateCache(DynamicCache):
         self.model_type = model_type
         self.pool = PackedStatePool(plans, max_batch, shape.value_dim, device)
         self._rows = _RowSlots(self.pool)
+        if split and device.type != "cuda":
+            raise ValueError("split=True runs the CUDA kernel's readout and writeback on two streams: it "
+                             f"needs device='cuda', got {str(device)!r}")
+        self.split_stream = torch.cuda.Stream(device) if split else None
         for number, i in enumerate(self.linear_layers):
-            self.layers[i] = PackedLinearAttentionLayer(self.pool[number], self._rows)
+            self.layers[i] = PackedLinearAttentionLayer(self.pool[number], self._rows, self.split_stream)
         route_recurrences(model_type)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):

@@ -157,6 +157,7 @@ def launch(layer: PackedLayer, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *
            use_qk_l2norm: bool, work: torch.Tensor | None = None, debug: dict | None = None) -> None:
     """One launch for every head of the layer (grid N x H); inputs already checked and contiguous FP32."""
     kda = g is not None and g.dim() == 3
+    layer.wait_writes()  # a pending side-stream writeback into these pages (decode_step_split)
     lib = _load(defines_for(layer, part, kda, debug is not None), _target(layer.device))
     num_rows = slots.shape[0]
     heads, key_dim = layer.num_heads, layer.key_dim

@@ -679,7 +679,7 @@ def fused_packed_decode(
     h // (H / H_k). scale defaults to K^-1/2, applied to q after the optional in-kernel L2 norm.
     part: "fused" (readout and in-place requantization, one kernel), or the paper's split:
     "readout" (y only, slots untouched) then "writeback" (requantizes the slots, y untouched). With
-    ``work`` (from :func:`fused_packed_decode_split`) the readout leaves the update's u there and the
+    ``work`` (from :func:`work_buffer`) the readout leaves the update's u there and the
     writeback starts from it; without, the writeback recomputes it. debug (a dict) receives "x": the
     float state X [N, H, K, V] the kernel requantized, and "c": the column scales [N, H, V] its codes
     were computed against. num_warps, block_rows (key rows per tile) and planes (plane widths compiled
@@ -696,42 +696,6 @@ def fused_packed_decode(
             use_qk_l2norm=use_qk_l2norm, use_update=True, debug=debug, num_warps=num_warps, part=part,
             planes=planes, work=work, block_rows=block_rows)
     return out
-
-
-def fused_packed_decode_split(
-    layer: PackedLayer,
-    slots: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    scale: float | None = None,
-    use_qk_l2norm: bool = False,
-    out: torch.Tensor | None = None,
-    stream: torch.cuda.Stream | None = None,
-    num_warps: int | None = None,
-    block_rows: int | None = None,
-) -> tuple[torch.Tensor, torch.cuda.Event]:
-    """The paper's split step: readout on the current stream, requantize + writeback on ``stream``.
-
-    Returns (y, done): y is ready in stream order on the current stream; the slots are rewritten when
-    ``done`` fires. The caller must ``torch.cuda.current_stream().wait_event(done)`` before the next
-    step touches this layer's slots (later layers of the same token need not wait).
-    """
-    kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, num_warps=num_warps, block_rows=block_rows)
-    work = work_buffer(layer, slots.shape[0])
-    y = fused_packed_decode(layer, slots, q, k, v, g, beta, out=out, part="readout", work=work, **kwargs)
-    side = torch.cuda.Stream(device=layer.device) if stream is None else stream
-    side.wait_stream(torch.cuda.current_stream(layer.device))
-    with torch.cuda.stream(side):
-        fused_packed_decode(layer, slots, q, k, v, g, beta, out=y, part="writeback", work=work, **kwargs)
-    for t in (slots, q, k, v, g, beta, work):
-        t.record_stream(side)  # the caller may drop its inputs before the side stream is done
-    done = torch.cuda.Event()
-    done.record(side)
-    return y, done
 
 
 def fused_pack_states(
