@@ -317,13 +317,16 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
         todo = [("cuda fused (reciprocal, 1 refit)", "dual_axis", RECIPROCAL_1, "fused", "cuda"),
                 ("cuda fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "cuda")]
         if bits in args.split_bits:
-            todo += [("cuda readout (split)", "dual_axis", RECIPROCAL_1, "readout", "cuda"),
+            todo += [("cuda fused (reciprocal, 1 refit) 1 CTA/SM", "dual_axis", RECIPROCAL_1, "fused",
+                      "cuda1"),
+                     ("cuda readout (split)", "dual_axis", RECIPROCAL_1, "readout", "cuda"),
                      ("cuda writeback (split)", "dual_axis", RECIPROCAL_1, "writeback", "cuda"),
                      ("triton fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "triton")]
         todo += [("cuda rowwise absmax INT", "absmax", EXACT_2, "fused", "cuda")]
         for variant, spatial, config, part, backend in todo:
-            if backend == "cuda" and not use_cuda:
+            if backend.startswith("cuda") and not use_cuda:
                 continue
+            cuda.TUNING["SQ_MIN_BLOCKS"] = 1 if backend == "cuda1" else 2
             table = uniform if spatial == "absmax" else plan
             slot_bytes = PackedLayer(LayerPlan(table, None, spatial), 1, VALUE_DIM).bytes_per_slot
             layer = make_layer(table, spatial, rotation_groups(max_batch * slot_bytes) * max_batch, config)
@@ -331,7 +334,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 inputs = token_inputs(batch, heads, key_heads, kda)
                 out = torch.empty(batch, heads, VALUE_DIM, device=DEVICE, dtype=torch.float32)
                 kwargs = dict(use_qk_l2norm=True, out=out, part=part)
-                if backend == "cuda":
+                if backend.startswith("cuda"):
                     if part != "fused":  # the split: the readout leaves u in work, the writeback reads it
                         kwargs["work"] = torch.zeros(batch, heads, VALUE_DIM, device=DEVICE)
                     call = lambda s, layer=layer, x=inputs, kw=kwargs: cuda.packed_decode(layer, s, *x, **kw)
@@ -357,6 +360,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 except Exception:
                     log(traceback.format_exc())
             del layer
+            cuda.TUNING["SQ_MIN_BLOCKS"] = 2
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
 

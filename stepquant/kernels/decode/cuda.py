@@ -39,6 +39,8 @@ VALUE_DIM = 128  # four value columns per lane of a warp
 MAX_KEY_DIM = 128  # sixteen key rows per warp, eight warps
 KEY_DIM_STEP = 16  # K is a multiple of the rows of one warp
 PARTS = {"fused": 0, "readout": 1, "writeback": 2, "pack": 3}
+# tuning knobs compiled into the library (benchmarks/bench_decode.py times alternatives)
+TUNING = {"SQ_MIN_BLOCKS": 2}
 
 
 class _Params(ctypes.Structure):
@@ -128,7 +130,8 @@ def defines_for(layer: PackedLayer, part: str, kda: bool, debug: bool = False) -
             ("SQ_MIDRISE", int(dual and layer.grid is Grid.MIDRISE)),
             ("SQ_RECIP", int(dual and config.division == "reciprocal")),
             ("SQ_RMS", int(config.row_stat == "rms")), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
-            ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_DEBUG", int(debug)))
+            ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_DEBUG", int(debug)),
+            *sorted(TUNING.items()))
 
 
 def supported(layer: PackedLayer) -> bool:

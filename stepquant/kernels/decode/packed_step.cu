@@ -51,6 +51,9 @@
 #ifndef SQ_DEBUG
 #define SQ_DEBUG 0  // 1: store X and the column scales of the codes (dbg_x, dbg_c) for the tests
 #endif
+#ifndef SQ_MIN_BLOCKS
+#define SQ_MIN_BLOCKS 2  // CTAs per multiprocessor the register allocation must allow (__launch_bounds__)
+#endif
 #ifndef SQ_CLIPPED
 #define SQ_CLIPPED 0x1C  // bit b set: clip_b < 1, codes of the first pass need the clamp
 #endif
@@ -644,7 +647,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     }
 }
 
-__global__ void __launch_bounds__(THREADS, 2) packed_step_kernel(const Params p) {
+__global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(const Params p) {
     __shared__ Shared sm;
     const int n = blockIdx.x, h = blockIdx.y;
     const int slot = p.slots[n];
