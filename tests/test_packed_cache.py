@@ -233,6 +233,8 @@ def test_errors_name_the_argument_and_the_fix():
         forward(model, PackedStateCache(model.config, plan, max_batch=1, device="meta"), tokens(1, 4))
     with pytest.raises(TypeError, match="calibration plan"):
         PackedStateCache(model.config, "int4", max_batch=1)
+    with pytest.raises(ValueError, match="split=True .* needs device='cuda'"):
+        PackedStateCache(model.config, plan, max_batch=1, split=True)
     kda_plan = Plan.load(PLANS / "kda" / "stepquant-6")
     with pytest.raises(ValueError, match=r"\[H, K\]"):
         PackedStateCache(model.config, kda_plan, max_batch=1)

@@ -131,6 +131,18 @@ __device__ __forceinline__ float div_fp16(float a, float b, float rb) {
     return __fmaf_rn(e, rb, q0);
 }
 
+// (a & MASK) | c in one LOP3 (left to itself the compiler splits it in two when c is a constant too)
+template <uint32_t MASK>
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t c) {
+#ifdef SQ_EMULATE
+    return (a & MASK) | c;
+#else
+    uint32_t out;
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(out) : "r"(a), "n"(MASK), "r"(c));
+    return out;
+#endif
+}
+
 template <int S>
 __device__ __forceinline__ uint32_t shift_right(uint32_t x) {  // S < 0 shifts left
     if constexpr (S >= 0) return x >> S; else return x << (-S);
@@ -163,36 +175,32 @@ __device__ __forceinline__ Chunks load_chunks(const int* row, int lane) {
     return c;
 }
 
-// 2 * code of column c, from the plane chunks (the 2^22 magic: bits 0x4A800000 | 2u = 2^22 + u)
+// bits 0x4A800000 | (2 * code) of column c (the 2^22 magic: that float is 2^22 + code), from the plane
+// chunks; the magic is ORed in by the first plane's mask-and-or (one LOP3 per plane and value)
 template <int B, int C>
-__device__ __forceinline__ uint32_t twice_code(const Chunks& ch) {
+__device__ __forceinline__ uint32_t magic_code(const Chunks& ch) {
     using P = Planes<B>;
-    uint32_t u = 0;
-    if constexpr (P::p8 >= 0) u |= shift_right<8 * C - 1>(ch.c8) & 0x1FEu;
-    if constexpr (P::p4 >= 0) u |= shift_right<4 * C - 1>(ch.c4) & 0x1Eu;
+    uint32_t u = 0x4A800000u;
+    if constexpr (P::p8 >= 0) u = and_or<0x1FEu>(shift_right<8 * C - 1>(ch.c8), u);
+    if constexpr (P::p4 >= 0) u = and_or<0x1Eu>(shift_right<4 * C - 1>(ch.c4), u);
     if constexpr (P::p2 >= 0) {
         constexpr int O = B & ~3;  // code bits held by the 2-bit plane start here
-        u |= shift_right<2 * C - O - 1>(ch.c2) & (0x3u << (O + 1));
+        u = and_or<(0x3u << (O + 1))>(shift_right<2 * C - O - 1>(ch.c2), u);
     }
     if constexpr (P::p1 >= 0) {
         constexpr int O = B & ~1;
-        u |= shift_right<C - O - 1>(ch.c1) & (0x1u << (O + 1));
+        u = and_or<(0x1u << (O + 1))>(shift_right<C - O - 1>(ch.c1), u);
     }
     return u;
 }
 
 template <int B>
-__device__ __forceinline__ float zero_of() {  // code of level 0
-    return SQ_MIDRISE ? float(1 << (B - 1)) - 0.5f : float(1 << (B - 1));
-}
-
-template <int B>
 __device__ __forceinline__ void levels(const Chunks& ch, float* z) {
     constexpr float OFF = MAGIC_LEVEL + (SQ_MIDRISE ? float(1 << (B - 1)) - 0.5f : float(1 << (B - 1)));
-    z[0] = __uint_as_float(0x4A800000u | twice_code<B, 0>(ch)) - OFF;
-    z[1] = __uint_as_float(0x4A800000u | twice_code<B, 1>(ch)) - OFF;
-    z[2] = __uint_as_float(0x4A800000u | twice_code<B, 2>(ch)) - OFF;
-    z[3] = __uint_as_float(0x4A800000u | twice_code<B, 3>(ch)) - OFF;
+    z[0] = __uint_as_float(magic_code<B, 0>(ch)) - OFF;
+    z[1] = __uint_as_float(magic_code<B, 1>(ch)) - OFF;
+    z[2] = __uint_as_float(magic_code<B, 2>(ch)) - OFF;
+    z[3] = __uint_as_float(magic_code<B, 3>(ch)) - OFF;
 }
 
 __device__ __forceinline__ void pivot_values(const int* row, int lane, float* z) {
@@ -515,6 +523,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     if constexpr (FROM_CODES) {
         const uint4* src = reinterpret_cast<const uint4*>(slot_codes + head.z);
         uint4* dst = sm.stage;
+#pragma unroll 1
         for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(dst + e, src + e);
     }
     if (tid < MAX_K) {  // one thread per key row: raw k, q and their partial norms
