@@ -50,12 +50,15 @@ timeout ${BUILD_TIMEOUT:-240} python3 benchmarks/build_cuda.py --jobs "$(nproc)"
 echo "build exit $? (log: $OUT/build_cuda.log)"
 tail -n 1 "$OUT/build_cuda.log"
 
-echo "== GPU tests: the kernels at real shapes, prefill through fla and the packed cache on CUDA"
-echo "   (pytest -m gpu tests/test_cuda_kernel.py tests/test_kernels.py tests/test_gpu_serving.py)"
-timeout -s INT ${TEST_TIMEOUT:-300} python3 -m pytest -m gpu tests/test_cuda_kernel.py tests/test_kernels.py \
-    tests/test_gpu_serving.py -q -s -p no:cacheprovider -rA > "$OUT/gpu_tests.log" 2>&1
-echo "pytest exit $? (log: $OUT/gpu_tests.log)"
-tail -n 5 "$OUT/gpu_tests.log"
+# GPU tests, one file at a time, each test time-boxed (pytest-timeout) so a hang names itself
+gpu_tests() {  # file, seconds
+    echo "== pytest -m gpu $1" | tee -a "$OUT/gpu_tests.log"
+    timeout -s INT "$2" python3 -m pytest -m gpu "$1" -q -s -p no:cacheprovider -rA --timeout 120 \
+        >> "$OUT/gpu_tests.log" 2>&1
+    echo "pytest exit $? ($1)" | tee -a "$OUT/gpu_tests.log"
+    tail -n 3 "$OUT/gpu_tests.log"
+}
+gpu_tests tests/test_cuda_kernel.py "${CUDA_TEST_TIMEOUT:-150}"
 
 if [ -n "${NO_BENCH:-}" ]; then exit 0; fi
 echo "== decode benchmark"
@@ -66,11 +69,14 @@ if [ "$status" -ne 0 ]; then
     tail -n 25 "$OUT/bench.log"
 fi
 
+gpu_tests tests/test_gpu_serving.py "${SERVING_TEST_TIMEOUT:-150}"
+
 if command -v ncu > /dev/null && [ -z "${NO_NCU:-}" ]; then
     echo "== ncu: readout, writeback and fused launches at B = 512 (benchmarks/ncu_step.py)"
-    timeout 150 ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
+    timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section SchedulerStats -k regex:packed_step_kernel --launch-skip 3 \
         --launch-count 3 python3 benchmarks/ncu_step.py > "$OUT/ncu.txt" 2>&1
     echo "ncu exit $? (report: $OUT/ncu.txt)"
 fi
+[ -n "${NO_TRITON_TESTS:-}" ] || gpu_tests tests/test_kernels.py "${TRITON_TEST_TIMEOUT:-200}"
 exit "$status"

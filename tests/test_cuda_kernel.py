@@ -251,3 +251,17 @@ def test_gpu_split_step_orders_writebacks():
     assert split.pending is not None
     split.wait_writes()
     assert all(torch.equal(a, b) for a, b in zip(fused.tensors(), split.tensors(), strict=True))
+
+
+@pytest.mark.skipif(cuda.nvcc_path() is None, reason="needs nvcc")
+def test_nvcc_build_exports_the_entry_points(tmp_path, monkeypatch):
+    # the library a GPU loads: ctypes must find sq_packed_step and agree on the Params layout (a
+    # function taking an internal-linkage type once lost its export in the nvcc host build)
+    import ctypes
+
+    monkeypatch.setenv("STEPQUANT_KERNEL_CACHE", str(tmp_path))
+    layer = make_layer(torch.full((2, 16), 6, dtype=torch.int8), value_dim=128, num_slots=1,
+                       **CONFIGS["reciprocal-refit1"])
+    lib = ctypes.CDLL(str(cuda.build(cuda.defines_for(layer, "fused", kda=False), "90")))
+    assert lib.sq_params_size() == ctypes.sizeof(cuda._Params)
+    assert lib.sq_packed_step and lib.sq_error_string

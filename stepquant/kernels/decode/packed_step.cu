@@ -58,25 +58,9 @@
 #define SQ_CLIPPED 0x1C  // bit b set: clip_b < 1, codes of the first pass need the clamp
 #endif
 
-namespace {
-
-constexpr int NUM_WARPS = 8;
-constexpr int THREADS = NUM_WARPS * 32;
-constexpr int ROWS = 16;             // key rows per warp
-constexpr int COLS = 4;              // value columns per lane
-constexpr int V = 32 * COLS;         // value columns of a head (fixed at 128)
-constexpr int MAX_K = NUM_WARPS * ROWS;
-constexpr int ROW_PAD = 20;          // floats per lane in the row-partials buffer (conflict-free float4)
-constexpr float MAGIC_ROUND = 12582912.0f;  // 1.5 * 2^23: w = MAGIC_ROUND + code, bits(w) low bits = code
-constexpr float MAGIC_LEVEL = 4194304.0f;   // 2^22: bits 0x4A800000 | (code << 1) is 2^22 + code
-constexpr float FP16_MAX = 65504.0f;
-constexpr float SCALE_MIN = 6.103515625e-05f;  // 2^-14
-
-enum Part { FUSED = 0, READOUT = 1, WRITEBACK = 2, PACK = 3 };
-constexpr bool DO_READOUT = SQ_PART == FUSED || SQ_PART == READOUT;
-constexpr bool DO_WRITEBACK = SQ_PART != READOUT;
-constexpr bool FROM_CODES = SQ_PART != PACK;
-
+// The launch arguments (cuda.py builds the same struct with ctypes). Outside the anonymous namespace:
+// a function taking a type of internal linkage gets internal linkage too, and ctypes could not find
+// sq_packed_step.
 struct Params {
     const float* q;         // [N, HQ, K]
     const float* k;         // [N, HQ, K]
@@ -102,6 +86,27 @@ struct Params {
     long long slot_words;   // W
     int H, HQ, K, num_scaled, l2norm;
 };
+
+namespace {
+
+constexpr int NUM_WARPS = 8;
+constexpr int THREADS = NUM_WARPS * 32;
+constexpr int ROWS = 16;             // key rows per warp
+constexpr int COLS = 4;              // value columns per lane
+constexpr int V = 32 * COLS;         // value columns of a head (fixed at 128)
+constexpr int MAX_K = NUM_WARPS * ROWS;
+constexpr int ROW_PAD = 20;          // floats per lane in the row-partials buffer (conflict-free float4)
+constexpr float MAGIC_ROUND = 12582912.0f;  // 1.5 * 2^23: w = MAGIC_ROUND + code, bits(w) low bits = code
+constexpr float MAGIC_LEVEL = 4194304.0f;   // 2^22: bits 0x4A800000 | (code << 1) is 2^22 + code
+constexpr float FP16_MAX = 65504.0f;
+constexpr float SCALE_MIN = 6.103515625e-05f;  // 2^-14
+
+enum Part { FUSED = 0, READOUT = 1, WRITEBACK = 2, PACK = 3 };
+constexpr bool DO_READOUT = SQ_PART == FUSED || SQ_PART == READOUT;
+constexpr bool DO_WRITEBACK = SQ_PART != READOUT;
+constexpr bool FROM_CODES = SQ_PART != PACK;
+
+
 
 constexpr int STAGE_WORDS = MAX_K * V / 2;  // a head of FP16 pivot rows: 128 rows x 64 words (32 KB)
 
