@@ -332,7 +332,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
             layer = make_layer(table, spatial, rotation_groups(max_batch * slot_bytes) * max_batch, config)
             for batch in args.batches:
                 inputs = token_inputs(batch, heads, key_heads, kda)
-                out = torch.empty(batch, heads, VALUE_DIM, device=DEVICE, dtype=torch.float32)
+                out = torch.empty(batch, heads, VALUE_DIM, device=DEVICE, dtype=torch.bfloat16)  # as fla
                 kwargs = dict(use_qk_l2norm=True, out=out, part=part)
                 if backend.startswith("cuda"):
                     if part != "fused":  # the split: the readout leaves u in work, the writeback reads it

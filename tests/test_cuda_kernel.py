@@ -129,6 +129,23 @@ def test_rowwise_absmax_decode(kda):
     check_against_codec(kernel, ref, slots.tolist(), debug["x"], None, exact_scales=False)
 
 
+def test_bf16_inputs_and_output_are_read_and_written_directly():
+    # a serving engine's activations are BF16: the kernel reads them and writes y without conversions
+    kernel, q_heads = _layer("K48-uniform-3578", "reciprocal-refit1", num_slots=2)
+    naive_pack_states(kernel, torch.arange(2, dtype=torch.int32), torch.randn(2, 4, 48, 128))
+    ref = clone_layer(kernel)
+    slots = torch.tensor([1, 0], dtype=torch.int32)
+    q, k, v, g, beta = (t.bfloat16() for t in token_inputs(2, 4, q_heads, 48, 128, False, seed=9))
+    out = torch.full((2, 4, 128), float("nan"), dtype=torch.bfloat16)
+    debug, debug_ref = {}, {}
+    y = cuda.packed_decode(kernel, slots, q, k, v, g, beta, use_qk_l2norm=True, out=out, debug=debug)
+    y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug_ref,
+                                out=torch.zeros(2, 4, 128))
+    assert y is out and out.dtype == torch.bfloat16
+    assert rel_rms(debug["x"], debug_ref["x"]) < 1e-5  # the same BF16 values in, upcast exactly
+    assert rel_rms(out.float(), y_ref.bfloat16().float()) < 1e-3  # rounded once, to nearest even
+
+
 def test_split_readout_then_writeback():
     fused, q_heads = _layer("K112-mixed-pivots", "reciprocal-refit1", num_slots=3)
     naive_pack_states(fused, torch.arange(3, dtype=torch.int32), torch.randn(3, 4, 112, 128))

@@ -103,7 +103,7 @@ def decode_step_split(
                          "with V = 128 and K a multiple of 16, and nvcc must be at hand")
     layer.wait_writes()  # the previous token's writeback of this layer (and of its work buffer)
     current = torch.cuda.current_stream(layer.device)
-    q, k, v, g, beta = (t.to(layer.device, torch.float32).contiguous() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (cuda._as_input(t, layer.device) for t in (q, k, v, g, beta))
     slots = slots.to(layer.device, torch.int32).contiguous()
     work = torch.empty(v.shape, dtype=torch.float32, device=layer.device)
     kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, work=work)

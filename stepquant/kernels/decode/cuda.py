@@ -51,7 +51,7 @@ class _Params(ctypes.Structure):
         "heads", "row_info", "row_winv", "row_w2", "row_gain", "dbg_x", "dbg_c")] + [
         ("scale", ctypes.c_float), ("slot_words", ctypes.c_longlong),
         ("H", ctypes.c_int), ("HQ", ctypes.c_int), ("K", ctypes.c_int), ("num_scaled", ctypes.c_int),
-        ("l2norm", ctypes.c_int)]
+        ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int)]
 
 
 def nvcc_path() -> str | None:
@@ -176,7 +176,9 @@ def launch(layer: PackedLayer, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *
         row_winv=_ptr(layer.row_winv), row_w2=_ptr(layer.row_w2), row_gain=_ptr(layer.row_gain),
         dbg_x=_ptr(dbg_x), dbg_c=_ptr(dbg_c), scale=scale, slot_words=layer.layout.words_per_slot,
         H=heads, HQ=heads if q is None else q.shape[1], K=key_dim,
-        num_scaled=layer.layout.num_scaled_heads, l2norm=int(use_qk_l2norm))
+        num_scaled=layer.layout.num_scaled_heads, l2norm=int(use_qk_l2norm),
+        bf16_mask=sum(1 << i for i, t in enumerate((q, k, v, g, beta, y))
+                      if t is not None and t.dtype == torch.bfloat16))
     stream = torch.cuda.current_stream(layer.device).cuda_stream if layer.device.type == "cuda" else 0
     status = lib.sq_packed_step(ctypes.byref(p), num_rows, layer.device.index or 0, ctypes.c_void_p(stream))
     if status != 0:
@@ -190,6 +192,13 @@ def _check_supported(layer: PackedLayer) -> None:
         raise ValueError(f"the CUDA kernel serves V = {VALUE_DIM} and K a multiple of {KEY_DIM_STEP} up "
                          f"to {MAX_KEY_DIM}; this layer has K = {layer.key_dim}, V = {layer.value_dim} "
                          "(the Triton kernel, fused.py, serves any shape)")
+
+
+def _as_input(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """t as the kernel reads it: FP32 or BF16 (as it comes), contiguous, on the layer's device."""
+    if t.dtype not in (torch.float32, torch.bfloat16):
+        t = t.to(torch.float32)
+    return t.to(device).contiguous()
 
 
 def packed_decode(
@@ -225,9 +234,9 @@ def packed_decode(
                              or not work.is_contiguous()):
         raise ValueError(f"work must be a contiguous FP32 tensor of v's shape {list(v.shape)}")
     device = layer.device
-    q, k, v, g, beta = (t.to(device, torch.float32).contiguous() for t in (q, k, v, g, beta))
+    q, k, v, g, beta = (_as_input(t, device) for t in (q, k, v, g, beta))
     slots = slots.to(device, torch.int32).contiguous()
-    direct = out is not None and (part == "writeback" or (out.dtype == torch.float32 and out.is_contiguous()))
+    direct = out is not None and (part == "writeback" or _as_input(out, device) is out)
     result = out if direct else torch.empty(v.shape, dtype=torch.float32, device=device)
     scale = layer.key_dim**-0.5 if scale is None else float(scale)
     launch(layer, slots, q, k, v, g, beta, result, None, part=part, scale=scale, use_qk_l2norm=use_qk_l2norm,

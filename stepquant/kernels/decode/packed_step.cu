@@ -62,13 +62,13 @@
 // a function taking a type of internal linkage gets internal linkage too, and ctypes could not find
 // sq_packed_step.
 struct Params {
-    const float* q;         // [N, HQ, K]
-    const float* k;         // [N, HQ, K]
-    const float* v;         // [N, H, V]
-    const float* g;         // [N, H] or [N, H, K] (log decay)
-    const float* beta;      // [N, H]
+    const void* q;          // [N, HQ, K]    FP32 or BF16 (bit 0 of bf16_mask)
+    const void* k;          // [N, HQ, K]    (bit 1)
+    const void* v;          // [N, H, V]     (bit 2)
+    const void* g;          // [N, H] or [N, H, K] log decay (bit 3)
+    const void* beta;       // [N, H]        (bit 4)
     const float* x_in;      // [N, H, K, V] float states (PACK)
-    float* y;               // [N, H, V]
+    void* y;                // [N, H, V]     FP32, or BF16 with bit 5
     float* work;            // [N, H, V]: u (READOUT writes it, WRITEBACK reads it) or null
     const int* slots;       // [N], -1: skip the row
     int* codes;             // [S, W] int32 words
@@ -85,6 +85,7 @@ struct Params {
     float scale;            // q scale (after the optional L2 norm)
     long long slot_words;   // W
     int H, HQ, K, num_scaled, l2norm;
+    int bf16_mask;          // which of q, k, v, g, beta, y are BF16 (the rest FP32)
 };
 
 namespace {
@@ -288,6 +289,23 @@ template <int B>
 __device__ __forceinline__ float level_of(float w) {  // code - zero(b), exact
     if constexpr (SQ_MIDRISE && SQ_DUAL) return (w - (MAGIC_ROUND + float(1 << (B - 1)))) + 0.5f;
     else return w - (MAGIC_ROUND + float(1 << (B - 1)));
+}
+
+// element i of an FP32 or BF16 input (a BF16 value is the high half of its FP32 value)
+__device__ __forceinline__ float load_in(const void* base, long long i, bool bf16) {
+    if (bf16) return __uint_as_float(uint32_t(static_cast<const uint16_t*>(base)[i]) << 16);
+    return static_cast<const float*>(base)[i];
+}
+
+__device__ __forceinline__ void store_out(void* base, long long i, float x, bool bf16) {
+    if (bf16) {
+        // round to nearest even, as torch's FP32 -> BF16 conversion (NaN stays NaN)
+        const uint32_t u = __float_as_uint(x);
+        const uint32_t r = (x != x) ? (u | 0x00400000u) : u + 0x7FFFu + ((u >> 16) & 1u);
+        static_cast<uint16_t*>(base)[i] = uint16_t(r >> 16);
+    } else {
+        static_cast<float*>(base)[i] = x;
+    }
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -535,8 +553,8 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         const int i = tid;
         float k_i = 0.f, q_i = 0.f;
         if (i < K && SQ_PART != PACK) {
-            k_i = p.k[((long long)n * p.HQ + hq) * K + i];
-            q_i = p.q[((long long)n * p.HQ + hq) * K + i];
+            k_i = load_in(p.k, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 2);
+            q_i = load_in(p.q, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 1);
         }
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
@@ -564,7 +582,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         if (i < K) {
             info = p.row_info[h * K + i];
             const int b = info & 31;
-            const float eg = !FROM_CODES ? 1.f : SQ_KDA ? expf(p.g[nh * K + i]) : expf(p.g[nh]);
+            const float eg = !FROM_CODES ? 1.f : expf(load_in(p.g, SQ_KDA ? nh * K + i : nh, p.bf16_mask & 8));
             const float r_old = (has_scales && b <= 8 && FROM_CODES) ? __half2float(p.row_scale[rs_base + i]) : 1.f;
             a = r_old * eg;  // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1)
             winv = p.row_winv[h * K + i];
@@ -643,9 +661,9 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             const float cj = sm.col[0][j];
             const float kds = __fmaf_rn(cj, s[0], s[2]);  // k^T (D S)_j
             const float qds = __fmaf_rn(cj, s[1], s[3]);  // q^T (D S)_j
-            const float u = p.beta[nh] * (p.v[nh * V + j] - kds);
+            const float u = load_in(p.beta, nh, p.bf16_mask & 16) * (load_in(p.v, nh * V + j, p.bf16_mask & 4) - kds);
             sm.col[1][j] = u;
-            p.y[nh * V + j] = __fmaf_rn(kq, u, qds);  // y = X^T q, read before requantizing
+            store_out(p.y, nh * V + j, __fmaf_rn(kq, u, qds), p.bf16_mask & 32);  // y = X^T q, before requantizing
             if (SQ_PART == READOUT && p.work) p.work[nh * V + j] = u;
         }
         __syncthreads();
