@@ -94,6 +94,12 @@ inline uint32_t __funnelshift_r(uint32_t lo, uint32_t hi, uint32_t shift) {
     const uint64_t both = (uint64_t(hi) << 32) | lo;
     return uint32_t(both >> (shift & 31u));
 }
+inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+    const uint64_t both = (uint64_t(y) << 32) | x;  // bytes 0-3 of x, 4-7 of y
+    uint32_t out = 0;
+    for (int i = 0; i < 4; ++i) out |= uint32_t((both >> (8 * ((s >> (4 * i)) & 7))) & 0xFF) << (8 * i);
+    return out;
+}
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmaf_rn(float a, float b, float c) { return std::fma(a, b, c); }

@@ -263,32 +263,38 @@ __device__ __forceinline__ void by_width(int b, F&& f) {
     }
 }
 
-// one code of width B from t = Y / c (the scaled value), as w = MAGIC_ROUND + code; clamped to the
-// grid when CLAMP (codec: base.round_to_codes, exact_sum with the reciprocal quantizer)
-template <int B, bool CLAMP>
-__device__ __forceinline__ float round_code(float t) {
-    constexpr float OFFSET = float(1 << (B - 1));  // zero(b) on mid-tread, zero(b) + 1/2 on mid-rise
+// The grid constants of a b-bit row: codes are computed as w = MAGIC_ROUND + code (bits(w)'s low bits
+// are the code); folded to constants where b is known when compiled
+struct Width {
+    float offset;  // zero(b) on mid-tread, zero(b) + 1/2 on mid-rise: 2^(b-1)
+    float lo, hi;  // the grid's lowest and highest code, plus MAGIC_ROUND
+};
+
+__device__ __forceinline__ Width width_of(int b) {
+    return {float(1 << (b - 1)), MAGIC_ROUND + ((SQ_MIDRISE && SQ_DUAL) ? 0.0f : 1.0f),
+            MAGIC_ROUND + float((1 << b) - 1)};
+}
+
+// one code from t = Y / c (the scaled value), as w = MAGIC_ROUND + code; clamped to the grid when CLAMP
+// (codec: base.round_to_codes, with exact_sum for the reciprocal quantizer)
+template <bool CLAMP>
+__device__ __forceinline__ float round_code(float t, const Width& wd) {
     float w;
     if constexpr (SQ_RECIP && SQ_DUAL) {
         // floor / rint of the exact t + 2^(b-1): one add with a directed rounding mode
-        w = SQ_MIDRISE ? __fadd_rd(t, MAGIC_ROUND + OFFSET) : __fadd_rn(t, MAGIC_ROUND + OFFSET);
+        w = SQ_MIDRISE ? __fadd_rd(t, MAGIC_ROUND + wd.offset) : __fadd_rn(t, MAGIC_ROUND + wd.offset);
     } else {
         // the FP32 sum first, then floor / rint (torch: floor(t + offset), round(t + zero))
-        float s = __fadd_rn(t, OFFSET);
+        const float s = __fadd_rn(t, wd.offset);
         w = (SQ_MIDRISE && SQ_DUAL) ? __fadd_rd(s, MAGIC_ROUND) : __fadd_rn(s, MAGIC_ROUND);
     }
-    if constexpr (CLAMP) {
-        constexpr float LO = MAGIC_ROUND + ((SQ_MIDRISE && SQ_DUAL) ? 0.0f : 1.0f);
-        constexpr float HI = MAGIC_ROUND + float((1 << B) - 1);
-        w = fminf(fmaxf(w, LO), HI);
-    }
+    if constexpr (CLAMP) w = fminf(fmaxf(w, wd.lo), wd.hi);
     return w;
 }
 
-template <int B>
-__device__ __forceinline__ float level_of(float w) {  // code - zero(b), exact
-    if constexpr (SQ_MIDRISE && SQ_DUAL) return (w - (MAGIC_ROUND + float(1 << (B - 1)))) + 0.5f;
-    else return w - (MAGIC_ROUND + float(1 << (B - 1)));
+__device__ __forceinline__ float level_of(float w, const Width& wd) {  // code - zero(b), exact
+    if constexpr (SQ_MIDRISE && SQ_DUAL) return (w - (MAGIC_ROUND + wd.offset)) + 0.5f;
+    else return w - (MAGIC_ROUND + wd.offset);
 }
 
 // element i of an FP32 or BF16 input (a BF16 value is the high half of its FP32 value)
@@ -330,6 +336,42 @@ __device__ __forceinline__ void cp_async_wait_all() {
     asm volatile("cp.async.commit_group;\n" ::);
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
+}
+
+// Heads of mixed row widths (KDA) branch on each row's width. The branch stays out of the unrolled loops
+// over the register tile (16 copies of every width's code made those heads 2.5x slower per value): rows
+// are decoded, and packed, four at a time in a loop through a small per-lane stash in local memory.
+
+// levels (pivot rows: values) of rows first..first+3 into stash[4][COLS]
+__device__ __forceinline__ void decode_rows(const Shared& sm, const int* stage, int first, int head_word,
+                                            int lane, float (&stash)[4][COLS]) {
+#pragma unroll 1
+    for (int rr = 0; rr < 4; ++rr) {
+        const int info = sm.rinfo[first + rr];
+        const int* row = stage + ((info >> 5) - head_word);
+        float z[COLS];
+        by_width(info & 31, [&]<int BB>() {
+            if constexpr (BB == 16) pivot_values(row, lane, z);
+            else levels<BB>(load_chunks<BB>(row, lane), z);
+        });
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) stash[rr][c] = z[c];
+    }
+}
+
+// store the codes of rows first..first+3 (one byte each, 4 per word in stash) plane by plane
+__device__ __forceinline__ void pack_rows(const Shared& sm, int* head_codes, int first, int head_word, int lane,
+                                          const uint32_t (&stash)[4]) {
+#pragma unroll 1
+    for (int rr = 0; rr < 4; ++rr) {
+        const int info = sm.rinfo[first + rr];
+        int* row = head_codes + ((info >> 5) - head_word);
+        const uint32_t bytes = stash[rr];
+        const uint32_t code[COLS] = {bytes, bytes >> 8, bytes >> 16, bytes >> 24};  // planes take their bits
+        by_width(info & 31, [&]<int BB>() {
+            if constexpr (BB <= 8) store_codes<BB>(row, lane, code);  // pivot rows are stored as values
+        });
+    }
 }
 
 // Steps 3-5 on the tile x (levels or float state in, nothing out): X, row scales, column scales, codes.
@@ -449,42 +491,48 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     constexpr bool REFIT = SQ_DUAL && SQ_REFITS > 0;
     // one pass over the tile: codes (clamped to the grid unless they provably stay on it), refit sums,
     // and in the last pass the packed words
+    uint32_t code_stash[4];  // mixed heads: the codes of four rows, a byte each (local memory)
     auto code_pass = [&]<bool FIRST, bool LAST>() {
         float num[COLS] = {0.f, 0.f, 0.f, 0.f}, den[COLS] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
             const int i = row0 + r;
-            int* row = head_codes + row_offset(i);
             if (row_pivot[r]) {
-                if (LAST && row0 < K) store_pivots(row, lane, x[r]);
-                continue;
-            }
-            const float2 rq = sm.rowq[i];
-            auto body = [&]<int BB>() {
-                if constexpr (BB <= 8) {
-                    // the first codes of a row whose clip_b is 1 cannot leave the grid (docs/kernels.md)
-                    constexpr bool CLAMP = !(FIRST && SQ_DUAL && !((SQ_CLIPPED >> BB) & 1));
-                    uint32_t code[COLS];
+                if (LAST && row0 < K) store_pivots(head_codes + row_offset(i), lane, x[r]);
+            } else {
+                const float2 rq = sm.rowq[i];
+                // heads of one width: its grid constants are known when compiled, and the first codes of a
+                // width whose clip_b is 1 cannot leave the grid (docs/kernels.md); mixed rows clamp always
+                const Width wd = width_of(KIND ? KIND : (sm.rinfo[i] & 31));
+                constexpr bool CLAMP = !(KIND && FIRST && SQ_DUAL && !((SQ_CLIPPED >> KIND) & 1));
+                uint32_t code[COLS];
 #pragma unroll
-                    for (int c = 0; c < COLS; ++c) {
-                        float t;
-                        if constexpr (!SQ_DUAL) t = div_fp16(x[r][c], rq.x, __fdividef(1.f, rq.x));
-                        else if constexpr (SQ_RECIP) t = __fmul_rn(x[r][c], rcc[c]);
-                        else t = div_fp16(x[r][c], cc[c], rcc[c]);
-                        const float w = round_code<BB, CLAMP>(t);
-                        code[c] = __float_as_uint(w);
-                        if constexpr (REFIT) {
-                            const float z = level_of<BB>(w);
-                            const float wz = __fmul_rn(rq.y, z);
-                            num[c] = __fmaf_rn(wz, x[r][c], num[c]);  // (w^2 r^2 z) Y
-                            den[c] = __fmaf_rn(wz, z, den[c]);
-                        }
+                for (int c = 0; c < COLS; ++c) {
+                    float t;
+                    if constexpr (!SQ_DUAL) t = div_fp16(x[r][c], rq.x, __fdividef(1.f, rq.x));
+                    else if constexpr (SQ_RECIP) t = __fmul_rn(x[r][c], rcc[c]);
+                    else t = div_fp16(x[r][c], cc[c], rcc[c]);
+                    const float w = round_code<CLAMP>(t, wd);
+                    code[c] = __float_as_uint(w);
+                    if constexpr (REFIT) {
+                        const float z = level_of(w, wd);
+                        const float wz = __fmul_rn(rq.y, z);
+                        num[c] = __fmaf_rn(wz, x[r][c], num[c]);  // (w^2 r^2 z) Y
+                        den[c] = __fmaf_rn(wz, z, den[c]);
                     }
-                    if (LAST && row0 < K) store_codes<BB>(row, lane, code);
                 }
-            };
-            if constexpr (KIND) body.template operator()<KIND>();
-            else by_width(sm.rinfo[i] & 31, body);
+                if constexpr (LAST) {
+                    if constexpr (KIND) {
+                        if (row0 < K) store_codes<KIND>(head_codes + row_offset(i), lane, code);
+                    } else {  // a byte per code (b <= 8), packed with the next three rows
+                        code_stash[r & 3] = __byte_perm(__byte_perm(code[0], code[1], 0x0040),
+                                                        __byte_perm(code[2], code[3], 0x0040), 0x5410);
+                    }
+                }
+            }
+            if constexpr (LAST && !KIND) {
+                if ((r & 3) == 3 && row0 < K) pack_rows(sm, head_codes, i - 3, head.z, lane, code_stash);
+            }
         }
         if (SQ_DEBUG && LAST && tid >= MAX_K) p.dbg_c[nh * V + tid - MAX_K] = SQ_DUAL ? sm.col[2][tid - MAX_K] : 1.f;
         if constexpr (REFIT) {
@@ -610,20 +658,19 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
 #pragma unroll
         for (int c = 0; c < COLS; ++c) acc[a][c] = 0.f;
     const int* stage = reinterpret_cast<const int*>(sm.stage);
+    float stash[4][COLS];  // mixed heads: four decoded rows (local memory: indexed at run time)
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int i = row0 + r;
         const int b = KIND ? KIND : (sm.rinfo[i] & 31);
         row_pivot[r] = b == 16;
         if constexpr (FROM_CODES) {
-            const int* row = stage + row_offset(i);
             if constexpr (KIND) {
-                levels<KIND>(load_chunks<KIND>(row, lane), x[r]);
+                levels<KIND>(load_chunks<KIND>(stage + row_offset(i), lane), x[r]);
             } else {
-                by_width(b, [&]<int BB>() {
-                    if constexpr (BB == 16) pivot_values(row, lane, x[r]);
-                    else levels<BB>(load_chunks<BB>(row, lane), x[r]);
-                });
+                if ((r & 3) == 0) decode_rows(sm, stage, i, head.z, lane, stash);
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) x[r][c] = stash[r & 3][c];
             }
         } else {
             float4 v4 = make_float4(0.f, 0.f, 0.f, 0.f);
