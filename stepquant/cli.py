@@ -12,7 +12,7 @@ import importlib
 import sys
 
 COMMAND_MODULES = (
-    "stepquant.accounting",  # memory
+    "stepquant.accounting.cli",  # memory
     "stepquant.eval.cli",  # eval
     "stepquant.calibrate.cli",  # calibrate
 )

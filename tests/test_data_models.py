@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from stepquant import data
-from stepquant.models import family, load, resolve
+from stepquant.families import family_for
+from stepquant.models import load, resolve
 
 # Loss of each shipped model on the first 256 tokens of the held-out wiki stream (FP32, CPU).
 # Pinned so that any change to the checkpoints, the tokenizer or the splits is noticed.
@@ -54,7 +55,7 @@ def test_unknown_model_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="shipped name"):
         resolve(tmp_path)
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
-        family("llama")
+        family_for("llama")
 
 
 def test_forward_loss_is_pinned_and_learned(shipped):

@@ -22,15 +22,13 @@ from .allocate import (
     solve_allocation,
 )
 from .observers import (
-    ADAPTERS,
-    FamilyAdapter,
     RecurrenceCapture,
     RecurrenceObserver,
     Replay,
     replay,
     replay_error,
 )
-from .plan import Plan, build_plan, load_plan, model_identity, plan_accounting
+from .plan import Plan, build_plan, load_plan, model_shape, plan_accounting
 from .stats import (
     CalibrationStats,
     StatsConfig,
@@ -41,12 +39,10 @@ from .stats import (
 )
 
 __all__ = [
-    "ADAPTERS",
     "DEFAULT_HORIZON",
     "VARIANTS",
     "Allocation",
     "CalibrationStats",
-    "FamilyAdapter",
     "Plan",
     "RecurrenceCapture",
     "RecurrenceObserver",
@@ -60,7 +56,7 @@ __all__ = [
     "half_life_census",
     "lifetime_weights",
     "load_plan",
-    "model_identity",
+    "model_shape",
     "plan_accounting",
     "replay",
     "replay_error",

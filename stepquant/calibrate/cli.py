@@ -21,6 +21,7 @@ import torch
 
 from stepquant.codecs.base import Grid
 from stepquant.codecs.dual_axis import DEFAULT_GRID, DualAxisConfig
+from stepquant.families import KDA, family_for
 
 from .allocate import (
     DEFAULT_HORIZON,
@@ -30,7 +31,7 @@ from .allocate import (
     default_candidates,
     lifetime_weights,
 )
-from .plan import PLAN_PLOT, Plan, build_plan, model_identity
+from .plan import PLAN_PLOT, Plan, build_plan, model_shape
 from .stats import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_EXPONENT,
@@ -221,8 +222,8 @@ def _load_stats(args) -> CalibrationStats:
                 "distortion depends on it: recalibrate without --stats"
             )
     if args.model is not None:
-        identity = model_identity(args.model)
-        if identity.model_type != stats.model_type or identity.linear_layers != stats.linear_layers:
+        model = model_shape(args.model)
+        if model.model_type != stats.model_type or model.layer_indices != stats.linear_layers:
             raise ValueError(
                 f"the statistics in {path} are for {stats.model_type} layers "
                 f"{list(stats.linear_layers)}, not for --model {args.model}"
@@ -232,7 +233,7 @@ def _load_stats(args) -> CalibrationStats:
 
 def _collect(args) -> CalibrationStats:
     from stepquant.data import segments
-    from stepquant.models import family, load, model_type
+    from stepquant.models import load, model_type
 
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
@@ -241,7 +242,7 @@ def _collect(args) -> CalibrationStats:
     )
     # On CPU transformers' chunked torch fallback is the faster prefill for GDN, its token loop for KDA
     # (stepquant.models.use_recurrent_prefill); on GPU the model's own kernels are kept.
-    token_loop = on_cpu and family(model_type(args.model)) == "kda"
+    token_loop = on_cpu and family_for(model_type(args.model)) is KDA
     model, tokenizer = load(
         args.model,
         dtype=DTYPES[args.dtype],

@@ -41,24 +41,14 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save
 
 import stepquant
-from stepquant.accounting import (
-    _WRAPPERS,
-    PIVOT_REPLACES_BITS,
-    SCALE_BITS,
-    Mixer,
-    ModelShape,
-    StateBytes,
-    _language_model_config,
-    _layer_types,
-    plan_bytes,
-    shape_from_config,
-)
+from stepquant.accounting import PIVOT_REPLACES_BITS, SCALE_BITS, StateBytes, plan_bytes
 from stepquant.codecs import MixedCodec
 from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS, Grid, check_bits_plan
 from stepquant.codecs.dual_axis import DualAxisConfig, check_row_weights
+from stepquant.families import ModelShape, family_for, shape_from_config
 
 from .allocate import VARIANTS, Allocation, get_variant
-from .stats import BIT_WIDTHS, CalibrationStats, half_life_census
+from .stats import BIT_WIDTHS, CalibrationStats, ModelFields, half_life_census
 
 PLAN_FORMAT = "stepquant-plan"
 PLAN_FORMAT_VERSION = 1
@@ -98,40 +88,20 @@ def _pretty(obj, indent: int = 0, width: int = 100) -> str:
 # ---------------------------------------------------------------- model configs
 
 
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What a plan must agree with: model type, family, linear-attention layer indices and head shape."""
-
-    model_type: str
-    family: str
-    linear_layers: tuple[int, ...]
-    num_heads: int
-    key_dim: int
-    value_dim: int
-
-
-def model_identity(model_config) -> ModelIdentity:
-    """The identity of a model from its transformers config (object or dict), a config.json path, a
-    checkpoint directory or a shipped model name ("gdn", "kda")."""
+def model_shape(model_config) -> ModelShape:
+    """The ModelShape (model_type, family, linear-attention layer indices, heads, K, V) of a transformers
+    config (object or dict), a config.json path, a checkpoint directory or a shipped model name ("gdn")."""
     if isinstance(model_config, (str, Path)):
         from stepquant.models import resolve
 
         path = Path(model_config)
-        path = path if path.is_file() else resolve(model_config) / "config.json"
-        model_config = json.loads(path.read_text())
-    elif hasattr(model_config, "to_dict") and not isinstance(model_config, Mapping):
-        model_config = model_config.to_dict()
-    if not isinstance(model_config, Mapping):
+        model_config = path if path.is_file() else resolve(model_config)
+    elif not (isinstance(model_config, Mapping) or hasattr(model_config, "to_dict")):
         raise TypeError(
             "model_config must be a transformers config, a dict, a config.json path, a checkpoint "
             f"directory or a shipped model name, got {type(model_config).__name__}"
         )
-    shape = shape_from_config(model_config)  # validates the model type
-    config, base_type, get = _language_model_config(model_config)
-    layer_types = _layer_types(config, base_type, get)
-    linear = tuple(i for i, t in enumerate(layer_types) if t == "linear_attention")
-    return ModelIdentity(model_config["model_type"], shape.mixer.value, linear, shape.heads, shape.key_dim,
-                         shape.value_dim)
+    return shape_from_config(model_config)
 
 
 # ---------------------------------------------------------------- bits <-> JSON
@@ -176,7 +146,7 @@ def _bits_from_json(
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class Plan(ModelFields):
     """A calibrated quantization plan (module docstring); :func:`build_plan` makes one, :meth:`load` reads it.
 
     bits: one int8 [H, K] tensor per linear-attention layer (2..8, 16 = FP16 pivot row; a GDN head's rows
@@ -212,9 +182,7 @@ class Plan:
         get_variant(self.variant)
         if not isinstance(self.quantizer, DualAxisConfig):
             raise TypeError(f"quantizer must be a DualAxisConfig, got {type(self.quantizer).__name__}")
-        if self.family not in ("gdn", "kda"):
-            raise ValueError(f"family must be 'gdn' or 'kda', got {self.family!r}")
-        object.__setattr__(self, "linear_layers", tuple(int(i) for i in self.linear_layers))
+        self._check_model_fields()
         object.__setattr__(self, "candidates", tuple(int(b) for b in self.candidates))
         num_layers = len(self.linear_layers)
         if len(self.bits) != num_layers or len(self.w) != num_layers:
@@ -266,31 +234,10 @@ class Plan:
         return VARIANTS[self.variant].has_col_scale
 
     @property
-    def unit_shape(self) -> tuple[int, ...]:
-        base = (len(self.linear_layers), self.num_heads)
-        return base if self.family == "gdn" else (*base, self.key_dim)
-
-    @property
     def unit_bits(self) -> torch.Tensor:
         """Bits per unit, int8 [L, H] (GDN) or [L, H, K] (KDA); 16 = FP16 pivot."""
         stacked = torch.stack(self.bits)  # [L, H, K]
         return stacked[:, :, 0] if self.family == "gdn" else stacked
-
-    @property
-    def unit_values(self) -> int:
-        return self.key_dim * self.value_dim if self.family == "gdn" else self.value_dim
-
-    @property
-    def shape(self) -> ModelShape:
-        mixer = Mixer.GDN if self.family == "gdn" else Mixer.KDA
-        return ModelShape(
-            self.model_name or self.model_type,
-            mixer,
-            len(self.linear_layers),
-            self.num_heads,
-            self.key_dim,
-            self.value_dim,
-        )
 
     def layer_number(self, model_layer: int) -> int:
         """The linear-layer number i (index into bits / w / codec) of a model layer index."""
@@ -342,7 +289,7 @@ class Plan:
                 "key_dim": self.key_dim,
                 "value_dim": self.value_dim,
                 "unit": "head" if self.family == "gdn" else "key row",
-                "num_units": math.prod(self.unit_shape),
+                "num_units": self.num_units,
             },
             "variant": self.variant,
             "spatial": self.spatial,
@@ -468,18 +415,17 @@ class Plan:
 
     def check_model(self, model_config) -> None:
         """Raise ValueError naming the first difference between this plan and a model config."""
-        model = model_identity(model_config)
+        model = model_shape(model_config)
         redo = _recalibrate_hint({"calibration": self.calibration})
-        plan_type = _WRAPPERS.get(self.model_type, self.model_type)
-        model_type = _WRAPPERS.get(model.model_type, model.model_type)
-        if model.family != self.family or plan_type != model_type:
+        plan_type = family_for(self.model_type).text_type(self.model_type)
+        if model.family.name != self.family or plan_type != model.family.text_type(model.model_type):
             raise ValueError(
                 f"the plan is for model_type {self.model_type!r} ({self.family.upper()}) but the model is "
-                f"{model.model_type!r} ({model.family.upper()}){redo}"
+                f"{model.model_type!r} ({model.family.name.upper()}){redo}"
             )
         checks = (
-            ("linear-attention layers", tuple(self.linear_layers), model.linear_layers),
-            ("heads per layer", self.num_heads, model.num_heads),
+            ("linear-attention layers", tuple(self.linear_layers), model.layer_indices),
+            ("heads per layer", self.num_heads, model.heads),
             ("key dim K", self.key_dim, model.key_dim),
             ("value dim V", self.value_dim, model.value_dim),
         )

@@ -1,6 +1,6 @@
 """Calibration statistics: gate lifetimes, row impact and per-unit distortion, streamed over calibration text.
 
-What DESIGN.md section 3 asks calibration to measure, per allocation unit u (a whole head for GDN, one
+What calibration measures (docs/method.md section 3), per allocation unit u (a whole head for GDN, one
 key row of a head for KDA), over the calibration segments:
 
 - mean log retention l_u = E[g_t,u] (GDN: the head's g; KDA: g of the row's key channel), token
@@ -42,9 +42,9 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 import stepquant
-from stepquant.accounting import Mixer, ModelShape
 from stepquant.codecs import DualAxisCodec, DualAxisConfig, UniformCodec
 from stepquant.codecs.base import MAX_BITS, MIN_BITS
+from stepquant.families import ModelShape, get_family
 from stepquant.recurrence import prepare_qk, transition_readout_weights
 
 from .observers import RecurrenceCapture, RecurrenceObserver, replay, replay_error
@@ -146,8 +146,40 @@ def half_life_census(
     return {int(t): int((flat > t).sum()) for t in thresholds}
 
 
+class ModelFields:
+    """The calibrated model, as :class:`CalibrationStats` and :class:`~stepquant.calibrate.plan.Plan` store it
+    field by field (model_name, model_type, family, linear_layers, num_heads, key_dim, value_dim: the
+    keys of stats.safetensors' metadata and plan.json's "model" block), and the views derived from it."""
+
+    def _check_model_fields(self) -> None:
+        get_family(self.family)
+        object.__setattr__(self, "linear_layers", tuple(int(i) for i in self.linear_layers))
+
+    @property
+    def unit_shape(self) -> tuple[int, ...]:
+        """[L, H] (GDN heads) or [L, H, K] (KDA key rows)."""
+        base = (len(self.linear_layers), self.num_heads)
+        return base if get_family(self.family).unit_is_head else (*base, self.key_dim)
+
+    @property
+    def num_units(self) -> int:
+        return math.prod(self.unit_shape)
+
+    @property
+    def unit_values(self) -> int:
+        """State values per unit: K x V (GDN head) or V (KDA key row)."""
+        return get_family(self.family).unit_values(self.key_dim, self.value_dim)
+
+    @property
+    def shape(self) -> ModelShape:
+        """The accounting shape of the calibrated model."""
+        return ModelShape(self.model_name or self.model_type, get_family(self.family),
+                          len(self.linear_layers), self.num_heads, self.key_dim, self.value_dim,
+                          model_type=self.model_type, layer_indices=self.linear_layers)
+
+
 @dataclass(frozen=True, eq=False)
-class CalibrationStats:
+class CalibrationStats(ModelFields):
     """Everything an allocation needs, per linear-attention layer (L of them, in model order).
 
     Unit tensors are [L, H] for GDN (unit = head) and [L, H, K] for KDA (unit = key row); "unit_shape"
@@ -183,10 +215,8 @@ class CalibrationStats:
     settings: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.family not in ("gdn", "kda"):
-            raise ValueError(f"family must be 'gdn' or 'kda', got {self.family!r}")
-        layers = tuple(int(i) for i in self.linear_layers)
-        object.__setattr__(self, "linear_layers", layers)
+        self._check_model_fields()
+        layers = self.linear_layers
         for name in ("num_heads", "key_dim", "value_dim", "tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -215,37 +245,6 @@ class CalibrationStats:
             object.__setattr__(self, name, value.detach().to("cpu", dtype))
         if not isinstance(self.settings, dict):
             raise TypeError(f"settings must be a dict, got {type(self.settings).__name__}")
-
-    @property
-    def mixer(self) -> Mixer:
-        return Mixer.GDN if self.family == "gdn" else Mixer.KDA
-
-    @property
-    def unit_shape(self) -> tuple[int, ...]:
-        """[L, H] (GDN heads) or [L, H, K] (KDA key rows)."""
-        base = (len(self.linear_layers), self.num_heads)
-        return base if self.family == "gdn" else (*base, self.key_dim)
-
-    @property
-    def num_units(self) -> int:
-        return math.prod(self.unit_shape)
-
-    @property
-    def unit_values(self) -> int:
-        """State values per unit: K x V (GDN head) or V (KDA key row)."""
-        return self.key_dim * self.value_dim if self.family == "gdn" else self.value_dim
-
-    @property
-    def shape(self) -> ModelShape:
-        """The accounting shape of the calibrated model."""
-        return ModelShape(
-            self.model_name or self.model_type,
-            self.mixer,
-            len(self.linear_layers),
-            self.num_heads,
-            self.key_dim,
-            self.value_dim,
-        )
 
     @property
     def half_lives(self) -> torch.Tensor:

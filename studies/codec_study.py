@@ -1,7 +1,7 @@
 """Choose the dual-axis fitting defaults by measurement, and compare them with the baselines.
 
 STEPQuant's paper leaves the codebook, the row statistic m_i and the fitting iterations of its spatial
-quantizer to an appendix we do not have (DESIGN.md section 3). This script measures the candidates of
+quantizer to an appendix we do not have (docs/method.md section 3). This script measures the candidates of
 the kernel-expressible algorithm in stepquant/codecs/dual_axis.py:
 
     grid {midtread, midrise} x row_stat {absmax, rms} x clip_b {--clips} x refit_iters {--refits}
@@ -30,8 +30,8 @@ smallest refit count within --refit-tolerance-db of the best (every refit is one
 kernel); then clip_b = the best clip per bit for that configuration.
 
 Prints a table and one final JSON line; writes --out (markdown) unless --out ''.
-Example: python scripts/codec_study.py                  (synthetic, ~2 min on 2 idle CPU cores)
-         python scripts/codec_study.py --states snap.safetensors --out '' --drift-steps 0
+Example: python -m studies.codec_study                  (synthetic, ~2 min on 2 idle CPU cores)
+         python -m studies.codec_study --states snap.safetensors --out '' --drift-steps 0
 """
 
 from __future__ import annotations
@@ -49,11 +49,11 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-
-from stepquant.codecs import DSQCodec, DualAxisConfig, Grid, MixedCodec, UniformCodec  # noqa: E402
-from stepquant.codecs import dual_axis as dual_axis_module  # noqa: E402
-from stepquant.codecs.dual_axis import DualAxisCodec, dual_axis_iterates  # noqa: E402
+from stepquant.calibrate.stats import row_impact_factors
+from stepquant.codecs import DSQCodec, DualAxisConfig, Grid, MixedCodec, UniformCodec
+from stepquant.codecs import dual_axis as dual_axis_module
+from stepquant.codecs.dual_axis import DualAxisCodec, dual_axis_iterates
+from stepquant.recurrence import gated_delta_rule, quantized_gated_delta_rule, transition_readout_weights
 
 OMEGA_FLOOR = 1e-8  # relative to the head's largest omega, before the 1/8 power
 DSQ_EXPONENTS = (1.0, 0.5)  # the two readings of DSQ's column scale (stepquant/codecs/dsq.py)
@@ -99,41 +99,42 @@ def synthetic_inputs(
     return {"q": q, "k": k, "v": v, "g": g, "beta": beta}
 
 
-def run_delta_rule(
-    inputs: dict, codec=None, start: int = 0, stop: int | None = None, state=None, snapshots=()
-):
-    """Gated delta rule over tokens [start, stop): returns (y [B, T', H, V], final state, snapshots, omega).
+def _sequence(inputs: dict, start: int, stop: int) -> list[torch.Tensor]:
+    return [inputs[name][:, start:stop] for name in ("q", "k", "v", "g", "beta")]
 
-    With a codec, the serving loop: X_t = A_t S_hat_{t-1} + B_t, y_t = X_t^T q_t, S_hat_t = Q(X_t).
-    omega [H, K] = mean over tokens and sequences of (A_t^T q_t)^2 (the row-impact score).
+
+def run_delta_rule(inputs: dict, codec=None, start: int = 0, stop: int | None = None, state=None,
+                   snapshots=()):
+    """The gated delta rule over tokens [start, stop) (stepquant.recurrence): returns (y [B, T', H, V], the
+    final state, the states after the tokens listed in ``snapshots``).
+
+    Without a codec the float reference (``gated_delta_rule``, run piecewise between snapshots); with one
+    the quantized serving loop (``quantized_gated_delta_rule``: X_t = A_t S_hat_{t-1} + B_t, y_t = X_t^T q_t,
+    S_hat_t = Q(X_t), a given state stored through the codec first). q is already scaled (scale 1); g is
+    per key channel, so the loops run in KDA mode (a GDN head's channels share one gate).
     """
-    q, k, v, g, beta = (inputs[name] for name in ("q", "k", "v", "g", "beta"))
-    batch, total, heads, key_dim = k.shape
-    stop = total if stop is None else stop
-    h = torch.zeros(batch, heads, key_dim, v.shape[-1]) if state is None else state.clone()  # [B, H, K, V]
-    outputs, taken, omega = [], [], torch.zeros(heads, key_dim)
-    for t in range(start, stop):
-        b_q, b_k, b_v, b_beta = q[:, t], k[:, t], v[:, t], beta[:, t, :, None]
-        gate = g[:, t].exp()  # [B, H, K]
-        h.mul_(gate[..., None])  # D_t S
-        b_delta = b_beta * (b_v - torch.einsum("bhk,bhkv->bhv", b_k, h))  # [B, H, V]
-        h.addcmul_(b_k[..., None], b_delta[..., None, :])  # (I - beta k k^T) D S + beta k v^T
-        outputs.append(torch.einsum("bhk,bhkv->bhv", b_q, h))  # y = X^T q, read before requantizing
-        readout_weights = gate * (b_q - b_beta * b_k * (b_k * b_q).sum(-1, keepdim=True))  # A_t^T q_t
-        omega += (readout_weights**2).mean(0)
-        if codec is not None:
-            h = codec.roundtrip(h)
-        if t + 1 in snapshots:
-            taken.append(h.clone())
-    omega /= max(stop - start, 1)
-    return torch.stack(outputs, dim=1), h, taken, omega
+    stop = inputs["k"].shape[1] if stop is None else stop
+    if codec is not None:
+        y, final = quantized_gated_delta_rule(*_sequence(inputs, start, stop), codec, state, scale=1.0,
+                                              mode="kda")
+        return y, final, []
+    bounds = sorted({start, stop, *(t for t in snapshots if start < t < stop)})
+    outputs, taken = [], []
+    for first, last in zip(bounds[:-1], bounds[1:], strict=True):
+        y, state = gated_delta_rule(*_sequence(inputs, first, last), state, scale=1.0, mode="kda")
+        outputs.append(y)
+        if last in snapshots:
+            taken.append(state)
+    return torch.cat(outputs, dim=1), state, taken
 
 
-def row_impact_factors(omega: torch.Tensor) -> torch.Tensor:
-    """w = omega^(1/8) with a floor, normalised to mean 1 within each head (DESIGN.md section 3)."""
-    floored = torch.maximum(omega, OMEGA_FLOOR * omega.amax(dim=-1, keepdim=True))
-    w = floored ** (1 / 8)
-    return w / w.mean(dim=-1, keepdim=True)
+def row_impact(inputs: dict) -> torch.Tensor:
+    """omega [H, K] = mean over tokens and sequences of (A_t^T q_t)^2 (recurrence.transition_readout_weights),
+    and w = omega^(1/8) after a floor of OMEGA_FLOOR x the head's largest omega, geometric mean 1 per head
+    (stepquant.calibrate.stats.row_impact_factors, what calibration computes)."""
+    q, k, _, g, beta = _sequence(inputs, 0, None)
+    omega = transition_readout_weights(q, k, g, beta).pow(2).mean(dim=(0, 1))
+    return row_impact_factors(omega, exponent=1 / 8, floor=OMEGA_FLOOR)
 
 
 def contrasts(states: torch.Tensor) -> dict:
@@ -260,8 +261,8 @@ def baselines(states, w, bits_list, chosen):
 
 def drift_probe(inputs, w, bits_list, chosen, prefill: int, steps: int):
     """Readout error of the quantized serving loop vs the float loop after a float prefill."""
-    _, state, _, _ = run_delta_rule(inputs, stop=prefill)
-    y_ref, _, _, _ = run_delta_rule(inputs, start=prefill, stop=prefill + steps, state=state)
+    _, state, _ = run_delta_rule(inputs, stop=prefill)
+    y_ref, _, _ = run_delta_rule(inputs, start=prefill, stop=prefill + steps, state=state)
     out = {}
     for bits in bits_list:
         config = chosen_config(chosen, bits)
@@ -273,9 +274,7 @@ def drift_probe(inputs, w, bits_list, chosen, prefill: int, steps: int):
             f"dual w, {chosen['other_grid']} grid": DualAxisCodec(bits, w, chosen_config(chosen, bits, True)),
         }
         for name, codec in codecs.items():
-            y, _, _, _ = run_delta_rule(
-                inputs, codec, start=prefill, stop=prefill + steps, state=codec.roundtrip(state)
-            )
+            y, _, _ = run_delta_rule(inputs, codec, start=prefill, stop=prefill + steps, state=state)
             err = ((y - y_ref) ** 2).sum((1, 3)) / (y_ref**2).sum((1, 3)).clamp_min(1e-30)  # [B, H]
             last = ((y - y_ref)[:, -steps // 4 :] ** 2).sum((1, 3)) / (y_ref[:, -steps // 4 :] ** 2).sum(
                 (1, 3)
@@ -304,8 +303,8 @@ def lifetime_plan(inputs, nominal_bits: int) -> torch.Tensor:
 
 def mixed_drift_probe(inputs, w, bits_list, chosen, prefill: int, steps: int):
     """The drift probe for plan-driven mixed codecs: the w^2 refit vs the step-normalised refit."""
-    _, state, _, _ = run_delta_rule(inputs, stop=prefill)
-    y_ref, _, _, _ = run_delta_rule(inputs, start=prefill, stop=prefill + steps, state=state)
+    _, state, _ = run_delta_rule(inputs, stop=prefill)
+    y_ref, _, _ = run_delta_rule(inputs, start=prefill, stop=prefill + steps, state=state)
     out = {}
     for bits in bits_list:
         plan = lifetime_plan(inputs, bits)
@@ -319,9 +318,7 @@ def mixed_drift_probe(inputs, w, bits_list, chosen, prefill: int, steps: int):
             "mixed dual w, step-normalised refit": MixedCodec(plan, w, config=normalised),
         }
         for name, codec in codecs.items():
-            y, _, _, _ = run_delta_rule(
-                inputs, codec, start=prefill, stop=prefill + steps, state=codec.roundtrip(state)
-            )
+            y, _, _ = run_delta_rule(inputs, codec, start=prefill, stop=prefill + steps, state=state)
             snr = -10 * torch.log10(((y - y_ref) ** 2).sum((1, 3)) / (y_ref**2).sum((1, 3)))  # [B, H]
             out[(bits, name)] = {
                 "readout_snr_db": snr.mean().item(),
@@ -449,7 +446,7 @@ def write_markdown(path, args, meta, chosen, tables, elapsed, defaults_match, fi
     spread = meta["spread"]
     text = f"""# Codec study: choosing the dual-axis fitting defaults
 
-Generated by `scripts/codec_study.py` (do not edit by hand; rerun it). Command:
+Generated by `studies/codec_study.py` (do not edit by hand; rerun it). Command:
 `{meta["command"]}`; machine: {meta["machine"]}; torch {torch.__version__}; {meta["date"]}; {elapsed:.0f} s.
 
 ## Data
@@ -466,13 +463,13 @@ in w = omega^(1/8).
 To repeat the study on states captured from a model: save a safetensors file with a float tensor
 `states` [N, H, K, V] (key-row-major; transpose the serving layout [N, H, V, K] first) and, optionally,
 the calibrated row-impact factors `w` [H, K] (> 0), then run
-`python scripts/codec_study.py --states FILE.safetensors` (the drift probes need the synthetic token
+`python -m studies.codec_study --states FILE.safetensors` (the drift probes need the synthetic token
 stream and are skipped; without `w` the weighted metrics equal the unweighted ones).
 
 ## Metric
 
 Per (sequence, head) state X [K, V]: relative weighted MSE e_w = sum w_i^2 (X - X_hat)^2 / sum w_i^2 X^2
-(the objective the fit minimises; DESIGN.md section 3), weighted SQNR = -10 log10 e_w, and the
+(the objective the fit minimises; docs/method.md section 3), weighted SQNR = -10 log10 e_w, and the
 unweighted SQNR (w = 1); each averaged over all (sequence, head) states (SQNR: mean of the dB values).
 
 ## Chosen defaults (stepquant/codecs/dual_axis.py)
@@ -570,7 +567,7 @@ def main(argv=None) -> int:
     start_time = time.time()
 
     meta = {
-        "command": " ".join(["python scripts/codec_study.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": " ".join(["python -m studies.codec_study", *(sys.argv[1:] if argv is None else argv)]),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPU cores, {torch.get_num_threads()} threads, "
         f"load average {os.getloadavg()[0]:.1f} at start",
         "date": datetime.date.today().isoformat(),
@@ -596,14 +593,15 @@ def main(argv=None) -> int:
     else:
         snapshots = parse_list(args.snapshots, int)
         inputs = synthetic_inputs(args.seqs, args.heads, max(args.steps, max(snapshots)), args.seed)
-        _, _, taken, omega = run_delta_rule(inputs, snapshots=set(snapshots))
+        _, _, taken = run_delta_rule(inputs, snapshots=set(snapshots))
         states = torch.cat(taken)  # [snapshots * seqs, H, K, V]
-        w = row_impact_factors(omega)
+        w = row_impact(inputs)
         meta["data"] = (
             f"Synthetic gated delta rule (`synthetic_inputs`, seed {args.seed}): {args.seqs} sequences x "
             f"{args.heads} heads ({args.heads // 2} GDN gates, {args.heads - args.heads // 2} KDA gates) of "
             f"128x128, snapshots after tokens {snapshots}: {states.shape[0]} x {args.heads} head states. "
-            "Row-impact factors w = omega^(1/8) (mean 1 per head) from the same stream."
+            "Row-impact factors w = omega^(1/8) (geometric mean 1 per head, as calibration computes them) "
+            "from the same stream."
         )
     meta["contrasts"] = contrasts(states)
     meta["spread"] = omega_spread(w)

@@ -6,8 +6,8 @@ variants: for each shipped model it runs the drift probe (--quick lengths: P = 5
 segment of wiki, sotu and brown) on FP32, uniform INT4/INT6, and the stepquant / spatial plans at 4 and
 6 bits on both grids (temporal plans use rowwise absmax, which is mid-tread already).
 
-    python scripts/grid_probe.py --model gdn --out docs/results     # ~9 min on one CPU core
-    python scripts/grid_probe.py --model kda --out docs/results     # ~7 min
+    python -m studies.grid_probe --model gdn --out docs/results     # ~9 min on one CPU core
+    python -m studies.grid_probe --model kda --out docs/results     # ~7 min
 
 Writes grid_probe_<model>.json and .md (excess NLL in nats per predicted token vs the FP32 state).
 """
@@ -24,15 +24,15 @@ import torch
 
 from stepquant.codecs import Grid, MixedCodec, make_codec
 from stepquant.data import segments as cut_segments
-from stepquant.eval.cli import SHIPPED_STREAMS
 from stepquant.eval.methods import DEFAULT_PLANS_DIR, load_plan, plan_path
 from stepquant.eval.probe import drift_probe
+from stepquant.eval.settings import SHIPPED_STREAMS
+from stepquant.families import linear_layers
 from stepquant.models import load
 
 
 def variants(model, name: str) -> list[tuple[str, dict]]:
-    config = model.config.get_text_config(decoder=True)
-    layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+    layers = list(linear_layers(model.config))
     out = [("fp32", dict.fromkeys(layers, make_codec("fp32")))]
     for bits in (4, 6):
         out.append((f"int{bits}", dict.fromkeys(layers, make_codec(f"int{bits}"))))
@@ -63,7 +63,7 @@ def main(argv=None) -> int:
                         desc=f"{args.model} grid probe")
     rows = {}
     lines = [f"# Mid-rise vs mid-tread grid: {args.model}", "",
-             f"`python scripts/grid_probe.py --model {args.model} --out {args.out}`; "
+             f"`python -m studies.grid_probe --model {args.model} --out {args.out}`; "
              f"{time.strftime('%Y-%m-%d')}, {torch.get_num_threads()} torch thread(s), "
              f"{time.time() - started:.0f} s. Drift probe P = 512, D = 1024, streams "
              f"{', '.join(SHIPPED_STREAMS)}; excess NLL (nats per predicted token) vs the FP32 state.", "",
