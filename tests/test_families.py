@@ -69,7 +69,8 @@ def test_defaults_are_those_of_transformers(family_name, model_type):
     text = config.get_text_config(decoder=True)
     for key, value in family.model_type(model_type).defaults.items():
         assert getattr(text, key) == value, f"{model_type}.{key}: transformers has {getattr(text, key)!r}"
-    assert linear_layers(config) == tuple(i for i, t in enumerate(text.layer_types) if t == "linear_attention")
+    expected = tuple(i for i, kind in enumerate(text.layer_types) if kind == "linear_attention")
+    assert linear_layers(config) == expected
     assert language_model(config).fields["model_type"] == family.text_type(model_type)
 
 
@@ -85,8 +86,8 @@ def test_linear_layers_match_the_cache_transformers_builds():
 
 
 def test_unknown_names_are_clear_errors():
-    with pytest.raises(ValueError, match="unsupported model_type 'llama'; supported: qwen3_next, qwen3_5, .*"
-                                         r"kimi_linear \(a new model family is one entry in stepquant/families"):
+    message = r"unsupported model_type 'llama'; supported: qwen3_next, .* kimi_linear \(a new model family is"
+    with pytest.raises(ValueError, match=message):
         family_for("llama")
     with pytest.raises(ValueError, match="family must be one of 'gdn', 'kda', got 'mamba'"):
         get_family("mamba")

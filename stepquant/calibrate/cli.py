@@ -192,6 +192,8 @@ def _stats_command(args) -> str:
         parts += ["--omega-floor", repr(args.omega_floor)]
     if args.device_map:
         parts += ["--device-map", args.device_map]
+    if args.grid != DEFAULT_GRID.value:
+        parts += ["--grid", args.grid]
     return " ".join(parts)
 
 
@@ -203,7 +205,7 @@ def _plan_command(args, variant: str, bits: int) -> str:
         parts += ["--pivots", str(args.pivots)]
     if args.candidates:
         parts += ["--candidates", args.candidates]
-    if args.grid != DEFAULT_GRID.value:
+    if args.stats and args.grid != DEFAULT_GRID.value:
         parts += ["--grid", args.grid]
     parts += ["--out", shlex.quote(str(args.out))]
     return " ".join(parts)
@@ -257,6 +259,7 @@ def _collect(args) -> CalibrationStats:
         omega_floor=DEFAULT_OMEGA_FLOOR if args.omega_floor is None else args.omega_floor,
         batch_size=args.batch_size,
         replay_device=args.replay_device,
+        quantizer=DualAxisConfig(grid=args.grid),
     )
     stats = collect_stats(
         model, tokens, config, model_name=str(args.model), data=str(args.data), progress=not args.no_progress
@@ -438,10 +441,10 @@ def add_cli(subparsers) -> None:
         "--grid",
         choices=[g.value for g in Grid],
         default=DEFAULT_GRID.value,
-        help="integer grid of the plans' dual-axis quantizer, recorded in plan.json (default "
-        f"{DEFAULT_GRID.value}); the allocation still uses the statistics' distortion table, measured "
-        "with the default quantizer. On KDA at 4 bits midtread halved STEPQuant's excess NLL "
-        "(docs/results/grid_probe_kda.md)",
+        help="integer grid of the dual-axis quantizer (default "
+        f"{DEFAULT_GRID.value}): the distortion table is measured with it and the plans record it in "
+        "plan.json; with --stats the statistics must have been measured with the same grid. On KDA at "
+        "4 bits midtread halved STEPQuant's excess NLL (docs/results/grid_probe_kda.md)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")

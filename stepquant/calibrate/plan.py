@@ -7,8 +7,9 @@ A plan directory holds
                      achieved bits/value (analytical and serving), calibration settings and the command
                      that made it, and an "integrity" block;
   (plan.json also pins the quantizer: the DualAxisConfig the codec of every layer runs, so a plan
-  keeps quantizing the same way when the library's defaults change; plans written before the field
-  existed load with :data:`V1_QUANTIZER`, the defaults they were calibrated with.)
+  keeps quantizing the same way when the library's defaults change. Format version 2 always writes
+  it; version-1 plans may lack it and then load with :data:`~stepquant.calibrate.quantizer.V1_QUANTIZER`,
+  the defaults they were calibrated with. studies/migrate_plans.py rewrote the committed plans.)
   plan.safetensors   the arrays: bits [L, H, K] int8, w [L, H, K], half-lives, lifetime weights lambda,
                      the d(b) table of the variant's quantizer, omega, mean log retention;
   half_life_vs_bits.png  (written by the CLI) half-life against allocated bits.
@@ -43,22 +44,22 @@ from safetensors.torch import save
 import stepquant
 from stepquant.accounting import PIVOT_REPLACES_BITS, SCALE_BITS, StateBytes, plan_bytes
 from stepquant.codecs import MixedCodec
-from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS, Grid, check_bits_plan
+from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS, check_bits_plan
 from stepquant.codecs.dual_axis import DualAxisConfig, check_row_weights
 from stepquant.families import ModelShape, family_for, shape_from_config
 
 from .allocate import VARIANTS, Allocation, get_variant
+from .quantizer import quantizer_from_json, quantizer_to_json
 from .stats import BIT_WIDTHS, CalibrationStats, ModelFields, half_life_census
 
 PLAN_FORMAT = "stepquant-plan"
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2  # 2: the quantizer block is always written; 1: it may be absent (V1_QUANTIZER)
+READABLE_VERSIONS = (1, 2)
+ARRAYS_FORMAT_VERSION = 1  # plan.safetensors' layout, unchanged since version 1
 PLAN_JSON = "plan.json"
 PLAN_ARRAYS = "plan.safetensors"
 PLAN_PLOT = "half_life_vs_bits.png"
 PIVOT_CHAR = "P"
-# the quantizer of plans written before plan.json recorded one (the library defaults until then)
-V1_QUANTIZER = DualAxisConfig(grid=Grid.MIDRISE, row_stat="rms", clip=(0.6, 0.85, 0.95, 1.0, 1.0, 1.0, 1.0),
-                              refit_iters=2, step_normalised_refit=True, division="exact")
 _ARRAY_NAMES = ("bits", "w", "half_lives", "lifetime", "distortion", "omega", "mean_log_retention")
 
 
@@ -320,16 +321,23 @@ class Plan(ModelFields):
             # records for study, not used to quantize: FP32 keeps the file small (loading widens to FP64)
             **{name: getattr(self, name).to(torch.float32).contiguous() for name in _ARRAY_NAMES[2:]},
         }
-        blob = save(arrays, metadata={"format": PLAN_FORMAT, "format_version": str(PLAN_FORMAT_VERSION)})
+        blob = save(arrays, metadata={"format": PLAN_FORMAT, "format_version": str(ARRAYS_FORMAT_VERSION)})
+        (directory / PLAN_ARRAYS).write_bytes(blob)
+        self.write_json(directory, blob)
+        return directory
+
+    def write_json(self, directory: str | Path, arrays_blob: bytes) -> Path:
+        """Write plan.json (current format version) for the plan.safetensors bytes ``arrays_blob``, with
+        the integrity block; studies/migrate_plans.py uses it to rewrite a plan.json alone."""
         document = self._document()
         document["integrity"] = {
-            f"{PLAN_ARRAYS}_sha256": _sha256(blob),
+            f"{PLAN_ARRAYS}_sha256": _sha256(arrays_blob),
             "bits_sha256": _sha256(_canonical(document["bits"])),
             "plan_sha256": _sha256(_canonical(document)),
         }
-        (directory / PLAN_ARRAYS).write_bytes(blob)
-        (directory / PLAN_JSON).write_text(_pretty(document) + "\n")
-        return directory
+        path = Path(directory) / PLAN_JSON
+        path.write_text(_pretty(document) + "\n")
+        return path
 
     @classmethod
     def load(cls, path: str | Path, model_config=None) -> Plan:
@@ -353,11 +361,15 @@ class Plan(ModelFields):
             raise ValueError(f"{json_path} is truncated or not valid JSON ({err}); recalibrate") from err
         if not isinstance(document, dict) or document.get("format") != PLAN_FORMAT:
             raise ValueError(f"{json_path} is not a stepquant plan (format {PLAN_FORMAT!r} missing)")
-        if document.get("format_version") != PLAN_FORMAT_VERSION:
+        version = document.get("format_version")
+        if version not in READABLE_VERSIONS:
             raise ValueError(
-                f"{json_path} has plan format version {document.get('format_version')!r}; this "
-                f"stepquant reads version {PLAN_FORMAT_VERSION}; recalibrate"
+                f"{json_path} has plan format version {version!r}; this stepquant reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; recalibrate"
             )
+        if version >= 2 and "quantizer" not in document:
+            raise ValueError(f"{json_path}: a version-{version} plan must have a quantizer block; "
+                             "recalibrate")
         redo = _recalibrate_hint(document)
         integrity = document.pop("integrity", None)
         if not isinstance(integrity, dict):
@@ -578,44 +590,23 @@ def plan_summary(stats: CalibrationStats, allocation: Allocation, top: int = 10)
     }
 
 
-def quantizer_to_json(config: DualAxisConfig) -> dict:
-    """The quantizer block of plan.json."""
-    return {"grid": config.grid.value, "row_stat": config.row_stat, "clip": list(config.clip),
-            "refit_iters": config.refit_iters, "step_normalised_refit": config.step_normalised_refit,
-            "division": config.division}
-
-
-def quantizer_from_json(block, where: Path | str = "plan.json") -> DualAxisConfig:
-    """The DualAxisConfig of a quantizer block; :data:`V1_QUANTIZER` for plans written without one.
-
-    Blocks written before "division" existed divided exactly (V1_QUANTIZER's value).
-    """
-    if block is None:
-        return V1_QUANTIZER
-    fields = set(quantizer_to_json(V1_QUANTIZER))
-    if isinstance(block, Mapping) and "division" not in block:
-        block = {**block, "division": V1_QUANTIZER.division}
-    if not isinstance(block, Mapping) or set(block) != fields:
-        raise ValueError(f"{where}: the quantizer block must have the fields "
-                         f"{sorted(fields)}, got {block!r}; recalibrate")
-    try:
-        return DualAxisConfig(grid=block["grid"], row_stat=block["row_stat"], clip=tuple(block["clip"]),
-                              refit_iters=block["refit_iters"],
-                              step_normalised_refit=block["step_normalised_refit"],
-                              division=block["division"])
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: invalid quantizer block ({err}); recalibrate") from err
-
-
 def build_plan(stats: CalibrationStats, allocation: Allocation, *, command: str = "",
                quantizer: DualAxisConfig | None = None) -> Plan:
     """A Plan from statistics and an allocation made from them (command: how it was made, for the record).
 
-    quantizer: the DualAxisConfig the plan's codecs run (default: the library's defaults, the quantizer
-    the statistics' distortion table was measured with).
+    quantizer: the DualAxisConfig the plan's codecs run (default: the one the statistics' distortion table
+    was measured with, ``stats.quantizer``); a dual-axis variant refuses any other, an absmax variant
+    (temporal) only records it.
     """
     if not isinstance(stats, CalibrationStats) or not isinstance(allocation, Allocation):
         raise TypeError("build_plan needs a CalibrationStats and an Allocation")
+    quantizer = stats.quantizer if quantizer is None else quantizer
+    if allocation.variant.spatial == "dual_axis" and quantizer != stats.quantizer:
+        raise ValueError(
+            f"the plan's quantizer {quantizer} differs from the one the statistics' distortion table was "
+            f"measured with ({stats.quantizer}); the allocation would optimise for another quantizer: "
+            "collect statistics with the plan's quantizer (stepquant calibrate --model ... --grid ...)"
+        )
     if tuple(allocation.unit_bits.shape) != stats.unit_shape:
         raise ValueError(
             f"the allocation is over units {list(allocation.unit_bits.shape)}, the statistics over "
@@ -655,7 +646,7 @@ def build_plan(stats: CalibrationStats, allocation: Allocation, *, command: str 
         mean_log_retention=stats.mean_log_retention,
         calibration=calibration,
         summary=plan_summary(stats, allocation),
-        quantizer=DualAxisConfig() if quantizer is None else quantizer,
+        quantizer=quantizer,
     )
 
 

@@ -48,6 +48,7 @@ from stepquant.families import ModelShape, get_family
 from stepquant.recurrence import prepare_qk, transition_readout_weights
 
 from .observers import RecurrenceCapture, RecurrenceObserver, replay, replay_error
+from .quantizer import quantizer_from_json, quantizer_to_json
 
 BIT_WIDTHS = tuple(range(MIN_BITS, MAX_BITS + 1))  # d_u(b) is measured for every b in 2..8
 QUANTIZERS = ("dual_axis", "absmax")
@@ -72,6 +73,7 @@ class StatsConfig:
     batch_size:     segments per forward pass
     replay_device:  where captured inputs go (FP32) and the replay runs; "cpu" keeps GPU memory free
     replay_tolerance: relative RMS difference of replayed vs model readouts above which a warning is issued
+    quantizer:      the dual-axis quantizer d_u(b) is measured with: the one the plans will run
     """
 
     snapshot_every: int = DEFAULT_SNAPSHOT_EVERY
@@ -80,6 +82,7 @@ class StatsConfig:
     batch_size: int = DEFAULT_BATCH_SIZE
     replay_device: str = "cpu"
     replay_tolerance: float = DEFAULT_REPLAY_TOLERANCE
+    quantizer: DualAxisConfig = field(default_factory=DualAxisConfig)
 
     def __post_init__(self) -> None:
         for name in ("snapshot_every", "batch_size"):
@@ -95,6 +98,8 @@ class StatsConfig:
         tol = self.replay_tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
             raise ValueError(f"replay_tolerance must be a positive number, got {tol!r}")
+        if not isinstance(self.quantizer, DualAxisConfig):
+            raise TypeError(f"quantizer must be a DualAxisConfig, got {type(self.quantizer).__name__}")
 
 
 def _check_exponent(exponent) -> float:
@@ -250,6 +255,12 @@ class CalibrationStats(ModelFields):
     def half_lives(self) -> torch.Tensor:
         """tau_u = ln 2 / (-l_u) in tokens, [*unit_shape] (inf where l_u >= 0)."""
         return half_lives_from_log_retention(self.mean_log_retention)
+
+    @property
+    def quantizer(self) -> DualAxisConfig:
+        """The dual-axis quantizer the distortion table was measured with (settings "quantizer";
+        statistics written before it was recorded used V1_QUANTIZER)."""
+        return quantizer_from_json(self.settings.get("quantizer"), "stats.safetensors settings")
 
     def distortion(self, quantizer: str) -> torch.Tensor:
         """d_u(b) [*unit_shape, 7] (b = 2..8) under "dual_axis" or "absmax"."""
@@ -441,8 +452,10 @@ class _GateAccumulator:
 class _DistortionAccumulator:
     """Pass 2: replay with snapshots; running sums of d_u(b) under both quantizers and of the unit energy."""
 
-    def __init__(self, w: torch.Tensor, snapshot_every: int, replay_device: str, tolerance: float) -> None:
+    def __init__(self, w: torch.Tensor, snapshot_every: int, replay_device: str, tolerance: float,
+                 quantizer: DualAxisConfig) -> None:
         self.w = w  # [L, H, K]
+        self.quantizer = quantizer
         self.snapshot_every = snapshot_every
         self.replay_device = replay_device
         self.tolerance = tolerance
@@ -474,7 +487,8 @@ class _DistortionAccumulator:
         for quantizer in QUANTIZERS:
             errors = []
             for bits in BIT_WIDTHS:
-                codec = DualAxisCodec(bits=bits, w=w) if quantizer == "dual_axis" else UniformCodec(bits=bits)
+                codec = (DualAxisCodec(bits=bits, w=w, config=self.quantizer) if quantizer == "dual_axis"
+                         else UniformCodec(bits=bits))
                 diff = (codec.roundtrip(x) - x).to(torch.float64).pow(2)
                 errors.append(self._unit_sum(diff, capture.family))
             key = (quantizer, i)
@@ -539,7 +553,7 @@ def collect_stats(
     omega = gates.omega(num_layers)  # [L, H, K]
     w = row_impact_factors(omega, config.exponent, config.omega_floor)
     distortion = _DistortionAccumulator(
-        w, config.snapshot_every, config.replay_device, config.replay_tolerance
+        w, config.snapshot_every, config.replay_device, config.replay_tolerance, config.quantizer
     )
     run_segments(
         model,
@@ -557,7 +571,7 @@ def collect_stats(
         "segment_length": int(segments.shape[1]),
         "snapshot_every": config.snapshot_every,
         "batch_size": config.batch_size,
-        "dual_axis_config": repr(DualAxisConfig()),
+        "quantizer": quantizer_to_json(config.quantizer),
         "stepquant_version": stepquant.__version__,
         **_model_description(model),
     }
