@@ -1,6 +1,6 @@
-"""Dump real recurrent states of a shipped model for the codec study (scripts/codec_study.py --states).
+"""Dump real recurrent states of a shipped model for the codec study (studies/codec_study.py --states).
 
-    python scripts/dump_states.py --model gdn --out /tmp/gdn_states.safetensors
+    python -m studies.dump_states --model gdn --out /tmp/gdn_states.safetensors
 
 Runs the model over the first --segments calibration segments (2048 tokens each) with a cache and
 saves the FP32 recurrent states of every linear-attention layer at the end of each segment as
@@ -10,16 +10,14 @@ saves the FP32 recurrent states of every linear-attention layer at the end of ea
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from stepquant.data import calibration_segments  # noqa: E402
-from stepquant.models import load  # noqa: E402
+from stepquant.data import calibration_segments
+from stepquant.families import linear_layers
+from stepquant.models import load
 
 
 def main() -> None:
@@ -30,7 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     model, tokenizer = load(args.model)
     x = calibration_segments(tokenizer, args.segments, 2048)
-    linear = [i for i, t in enumerate(model.config.layer_types) if t == "linear_attention"]
+    linear = linear_layers(model.config)
     states = []
     with torch.no_grad():
         for n in range(args.segments):
