@@ -1,9 +1,10 @@
 """Loading the shipped small models (or any local checkpoint) offline through transformers.
 
-Two small hybrid LMs ship in models/ (model cards there): "gdn", a Qwen3.5-style Gated DeltaNet
-hybrid (Qwen3_5ForCausalLM), and "kda", a Kimi-Linear-style Kimi Delta Attention hybrid
+Two small hybrid LMs ship in stepquant/assets/models/ (model cards there): "gdn", a Qwen3.5-style Gated
+DeltaNet hybrid (Qwen3_5ForCausalLM), and "kda", a Kimi-Linear-style Kimi Delta Attention hybrid
 (KimiLinearForCausalLM). Anywhere a model is asked for, a shipped name or a path to a local
-transformers checkpoint directory works.
+transformers checkpoint directory works. A shipped model's weights are unpacked once into a cache
+(stepquant.assets.checkpoint: bit-identical, sha256-checked).
 
     from stepquant.models import load
     model, tokenizer = load("gdn")
@@ -17,16 +18,17 @@ from pathlib import Path
 
 import torch
 
+from stepquant import assets
 from stepquant.families import FAMILIES, family_for
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 SHIPPED = ("gdn", "kda")
 
 
 def resolve(model: str | Path) -> Path:
-    """A shipped name ("gdn", "kda") or a checkpoint directory -> the directory."""
+    """A shipped name ("gdn", "kda") or a checkpoint directory -> the directory holding its config.json
+    (for a shipped model the asset directory; :func:`checkpoint` gives one transformers can load)."""
     if isinstance(model, str) and model in SHIPPED:
-        path = MODELS_DIR / model
+        path = assets.MODELS / model
     else:
         path = Path(model)
     if not (path / "config.json").exists():
@@ -35,6 +37,12 @@ def resolve(model: str | Path) -> Path:
             "directory containing config.json"
         )
     return path
+
+
+def checkpoint(model: str | Path) -> Path:
+    """A directory transformers loads: a shipped model unpacked into the cache, or the checkpoint given."""
+    path = resolve(model)
+    return assets.checkpoint(path) if path.parent == assets.MODELS else path
 
 
 def model_type(model: str | Path) -> str:
@@ -116,8 +124,8 @@ def load(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve(model)
-    family_for(model_type(path))
+    family_for(model_type(model))
+    path = checkpoint(model)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     kwargs = {"dtype": dtype, "local_files_only": True}
     if device_map is not None:

@@ -4,11 +4,11 @@ supported model type, concrete plans counted through the packed layout, and the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from stepquant import assets
 from stepquant.accounting import (
     GIB,
     MIB,
@@ -441,7 +441,7 @@ def test_cli_plan_counts_the_plans_own_format(capsys):
     from stepquant.models import resolve
     from stepquant.pool import PackedStatePool, plans_from
 
-    plans = Path(__file__).resolve().parents[1] / "plans" / "gdn"
+    plans = assets.PLANS / "gdn"
     model_dir = str(resolve("gdn"))
     shape = shape_from_config(model_dir)
     printed = {}

@@ -1,6 +1,6 @@
 """Tests of quantization plans (stepquant/calibrate/plan.py) and `stepquant calibrate`: round trip, the API
 the cache uses (codec, bits_per_value), validation against model configs, refusal of truncated or edited
-files, the CLI end to end on a shipped model, and the plans committed under plans/."""
+files, the CLI end to end on a shipped model, and the plans shipped under stepquant/assets/plans/."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 from test_calibrate import single_torch_thread, synthetic_stats  # noqa: F401 (an autouse fixture)
 
+from stepquant import assets
 from stepquant.accounting import plan_bytes
 from stepquant.calibrate import Plan, allocate, build_plan
 from stepquant.calibrate.plan import PLAN_ARRAYS, PLAN_JSON, PLAN_PLOT
 from stepquant.cli import main
 from stepquant.codecs import MixedCodec
 
-REPO = Path(__file__).resolve().parent.parent
 SHIPPED_GDN = dict(family="gdn", layers=(0, 1, 2, 4, 5, 6), heads=8, key_dim=128, value_dim=128)
 SHIPPED_KDA = dict(family="kda", layers=(0, 1, 2, 4, 5, 6), heads=4, key_dim=128, value_dim=128)
 
@@ -72,7 +72,7 @@ def test_plan_codec_quantizes_a_state(saved_plans):
 
 
 def _config(name: str, **changes) -> dict:
-    config = json.loads((REPO / "models" / name / "config.json").read_text())
+    config = json.loads((assets.MODELS / name / "config.json").read_text())
     config.update(changes)
     return config
 
@@ -143,7 +143,7 @@ def test_plan_refuses_damaged_files(saved_plans, tmp_path, file_name, damage, me
 
 
 def test_memory_cli_reads_a_plan(saved_plans, capsys):
-    rc = main(["memory", "--config", str(REPO / "models" / "gdn"), "--bits", "6", "--plan",
+    rc = main(["memory", "--config", str(assets.MODELS / "gdn"), "--bits", "6", "--plan",
                str(saved_plans[("gdn", "stepquant")]), "--json"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and report["formats"][-1]["format"].startswith("plan ")
@@ -181,12 +181,12 @@ def test_calibrate_cli_end_to_end(tmp_path, capsys):
     assert "--exponent 0.5 differs from the statistics" in capsys.readouterr().err
 
 
-COMMITTED = sorted(p.parent for p in (REPO / "plans").glob("*/*/plan.json"))
+COMMITTED = sorted(p.parent for p in assets.PLANS.glob("*/*/plan.json"))
 
 
 @pytest.mark.parametrize("directory", COMMITTED, ids=[f"{p.parent.name}/{p.name}" for p in COMMITTED])
 def test_committed_plans_load_and_meet_their_budget(directory):
-    plan = Plan.load(directory, model_config=directory.parent.name)  # plans/<shipped model>/<variant>-<bits>
+    plan = Plan.load(directory, model_config=directory.parent.name)  # <shipped model>/<variant>-<bits>
     accounting = plan.accounting()
     assert plan.variant + f"-{plan.budget_bits}" == directory.name
     assert accounting["within_budget"] and accounting["slack_bits"] >= 0
@@ -232,7 +232,7 @@ def test_version_1_plans_load_with_the_v1_quantizer_and_migrate_to_the_same_code
     from stepquant.calibrate.quantizer import V1_QUANTIZER
     from studies.migrate_plans import migrate
 
-    shipped = REPO / "plans" / "kda" / "stepquant-4"
+    shipped = assets.PLANS / "kda" / "stepquant-4"
     assert json.loads((shipped / PLAN_JSON).read_text())["format_version"] == 2  # migrated
     old = as_version_1(shipped, tmp_path / "v1")
     v1 = Plan.load(old)
@@ -251,7 +251,7 @@ def test_version_1_plans_load_with_the_v1_quantizer_and_migrate_to_the_same_code
 def test_a_version_2_plan_must_have_its_quantizer_block(tmp_path):
     import shutil
 
-    shutil.copytree(REPO / "plans" / "gdn" / "stepquant-6", tmp_path / "plan")
+    shutil.copytree(assets.PLANS / "gdn" / "stepquant-6", tmp_path / "plan")
     document = json.loads((tmp_path / "plan" / PLAN_JSON).read_text())
     document.pop("quantizer")
     (tmp_path / "plan" / PLAN_JSON).write_text(json.dumps(document))

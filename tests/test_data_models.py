@@ -78,3 +78,18 @@ def test_greedy_generation_is_english(shipped):
     words = text.split()
     assert len(words) >= 5
     assert sum(w.strip(".,;").isalpha() for w in words) >= 0.7 * len(words)
+
+
+def test_shipped_weights_unpack_bit_identical_into_the_cache(tmp_path, monkeypatch):
+    from stepquant import assets
+    from stepquant.models import checkpoint
+
+    monkeypatch.setenv("STEPQUANT_CACHE", str(tmp_path))
+    path = checkpoint("gdn")
+    assert path.parent == tmp_path / "models" and (path / "config.json").is_file()
+    weights = path / assets.WEIGHTS
+    assert assets.sha256_of(weights) == assets.recorded_sha256(assets.MODELS / "gdn")
+    assert (path / "tokenizer.json").read_bytes() == assets.TOKENIZER.read_bytes()  # the one shared file
+    weights.write_bytes(weights.read_bytes()[:-1])  # a damaged cache is unpacked again
+    assert checkpoint("gdn") == path
+    assert assets.sha256_of(weights) == assets.recorded_sha256(assets.MODELS / "gdn")

@@ -3,12 +3,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import DynamicCache
 
+from stepquant import assets
 from stepquant.accounting import plan_bytes
 from stepquant.calibrate import Plan
 from stepquant.families import KDA, shape_from_config
@@ -22,7 +21,7 @@ from stepquant.integrations.packed_cache import (
 )
 from stepquant.models import load
 
-PLANS = Path(__file__).resolve().parents[1] / "plans"
+PLANS = assets.PLANS
 MODELS = ("gdn", "kda")
 
 

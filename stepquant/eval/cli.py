@@ -34,7 +34,8 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--plan", action="append", default=None, metavar="DIR",
                         help="add a calibrated plan directory as a method (repeatable)")
     parser.add_argument("--plans-dir", default=None,
-                        help="where <model>/<variant>-<bits>/ plans live (default: the repository's plans/)")
+                        help="where <model>/<variant>-<bits>/ plans live (default: the shipped plans, "
+                             "stepquant/assets/plans/)")
     parser.add_argument("--data", action="append", default=None, metavar="STREAM[,STREAM]",
                         help="eval streams: shipped wiki, sotu, brown, or a .txt / .jsonl file "
                              "(default: wiki,sotu,brown)")

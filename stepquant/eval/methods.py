@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from stepquant import assets
 from stepquant.accounting import StateBytes
 from stepquant.calibrate import Plan
 from stepquant.codecs import Codec, codec_names, make_codec
@@ -31,7 +32,7 @@ from stepquant.families import ModelShape
 REFERENCE = "fp32"
 PLAN_VARIANTS = ("stepquant", "temporal", "temporal-nopivot", "spatial")
 PLAN_NAME = re.compile(r"^(stepquant|temporal-nopivot|temporal|spatial)-([2-8])$")
-DEFAULT_PLANS_DIR = Path(__file__).resolve().parent.parent.parent / "plans"
+DEFAULT_PLANS_DIR = assets.PLANS  # the shipped plans, stepquant/assets/plans/<model>/<variant>-<bits>/
 
 DEFAULT_METHODS = (
     "fp32", "bf16", "fp16", "int8",
@@ -82,8 +83,8 @@ def codec_label(name: str) -> str:
 
 def plan_path(key: str, model_name: str, plans_dir: str | Path | None = None) -> Path:
     """Where plan "<variant>-<bits>" of a model lives: ``<plans-dir>/<key>`` when that exists (a directory
-    `stepquant calibrate --out` wrote for one model), else ``<plans-dir>/<model>/<key>`` (the repository's
-    plans/ layout)."""
+    `stepquant calibrate --out` wrote for one model), else ``<plans-dir>/<model>/<key>`` (the layout of the
+    shipped plans)."""
     plans_dir = Path(DEFAULT_PLANS_DIR if plans_dir is None else plans_dir)
     direct = plans_dir / key
     return direct if direct.exists() else plans_dir / model_name / key

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from stepquant.eval.methods import DEFAULT_METHODS, resolve_methods
+from stepquant.eval.methods import DEFAULT_METHODS, DEFAULT_PLANS_DIR, resolve_methods
 from stepquant.eval.probe import drift_probe, greedy_generation
 from stepquant.eval.report import markdown_report, write_outputs
 from stepquant.eval.settings import DEFAULT_BLOCK, FULL, QUICK, SHIPPED_STREAMS
@@ -89,7 +89,7 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
     skipped = [m for m in methods if m != "fp32" and m not in {r.name for r in resolved}]
     if skipped:
         print(f"stepquant eval: {model_name}: no calibrated plan for {', '.join(skipped)} (looked in "
-              f"{plans_dir or 'plans/'}); evaluating the other methods", file=sys.stderr)
+              f"{plans_dir or DEFAULT_PLANS_DIR}); evaluating the other methods", file=sys.stderr)
     row_codecs = [m.codecs for m in resolved]
 
     names = [Path(d).stem if d not in SHIPPED_STREAMS else d for d in data]
