@@ -243,18 +243,22 @@ def choose_dsq(base: dict, bits_list) -> float:
     return max(DSQ_EXPONENTS, key=score)
 
 
+def baseline_codecs(bits: int, w, chosen) -> dict:
+    """Uniform rowwise absmax, DSQ (two column exponents), dual-axis w=1 and with w at ``bits``."""
+    config = chosen_config(chosen, bits)
+    return {
+        "int (rowwise absmax)": UniformCodec(bits),
+        **{f"DSQ col^{e:g}": DSQCodec(bits, col_exponent=e) for e in DSQ_EXPONENTS},
+        "dual w=1": DualAxisCodec(bits, None, config),
+        "dual w (STEPQuant spatial)": DualAxisCodec(bits, w, config),
+    }
+
+
 def baselines(states, w, bits_list, chosen):
-    """Uniform rowwise absmax, DSQ (two column exponents), dual-axis w=1 and with w, per bit."""
+    """The baseline codecs' reconstruction errors, per bit."""
     out = {}
     for bits in bits_list:
-        config = chosen_config(chosen, bits)
-        codecs = {
-            "int (rowwise absmax)": UniformCodec(bits),
-            **{f"DSQ col^{e:g}": DSQCodec(bits, col_exponent=e) for e in DSQ_EXPONENTS},
-            "dual w=1": DualAxisCodec(bits, None, config),
-            "dual w (STEPQuant spatial)": DualAxisCodec(bits, w, config),
-        }
-        for name, codec in codecs.items():
+        for name, codec in baseline_codecs(bits, w, chosen).items():
             out[(bits, name)] = error_metrics(states, codec.roundtrip(states), w)
     return out
 
@@ -265,12 +269,8 @@ def drift_probe(inputs, w, bits_list, chosen, prefill: int, steps: int):
     y_ref, _, _ = run_delta_rule(inputs, start=prefill, stop=prefill + steps, state=state)
     out = {}
     for bits in bits_list:
-        config = chosen_config(chosen, bits)
         codecs = {
-            "int (rowwise absmax)": UniformCodec(bits),
-            **{f"DSQ col^{e:g}": DSQCodec(bits, col_exponent=e) for e in DSQ_EXPONENTS},
-            "dual w=1": DualAxisCodec(bits, None, config),
-            "dual w (STEPQuant spatial)": DualAxisCodec(bits, w, config),
+            **baseline_codecs(bits, w, chosen),
             f"dual w, {chosen['other_grid']} grid": DualAxisCodec(bits, w, chosen_config(chosen, bits, True)),
         }
         for name, codec in codecs.items():
