@@ -156,13 +156,6 @@ class Plan(ModelFields):
     (d(b), b = 2..8, of the variant's quantizer); omega and mean_log_retention as calibrated.
     """
 
-    model_name: str
-    model_type: str
-    family: str
-    linear_layers: tuple[int, ...]
-    num_heads: int
-    key_dim: int
-    value_dim: int
     variant: str
     budget_bits: int
     pivots: int

@@ -151,10 +151,20 @@ def half_life_census(
     return {int(t): int((flat > t).sum()) for t in thresholds}
 
 
+@dataclass(frozen=True, eq=False)
 class ModelFields:
     """The calibrated model, as :class:`CalibrationStats` and :class:`~stepquant.calibrate.plan.Plan` store it
-    field by field (model_name, model_type, family, linear_layers, num_heads, key_dim, value_dim: the
-    keys of stats.safetensors' metadata and plan.json's "model" block), and the views derived from it."""
+    field by field (the keys of stats.safetensors' metadata and of plan.json's "model" block), and the
+    views derived from it. family: "gdn" / "kda"; linear_layers: the model layer index of each
+    linear-attention layer; num_heads, key_dim, value_dim: H, K, V of every layer."""
+
+    model_name: str
+    model_type: str
+    family: str
+    linear_layers: tuple[int, ...]
+    num_heads: int
+    key_dim: int
+    value_dim: int
 
     def _check_model_fields(self) -> None:
         get_family(self.family)
@@ -199,13 +209,6 @@ class CalibrationStats(ModelFields):
     settings: how the statistics were made (data, segments, length, snapshot_every, dtype, ...).
     """
 
-    model_name: str
-    model_type: str
-    family: str
-    linear_layers: tuple[int, ...]
-    num_heads: int
-    key_dim: int
-    value_dim: int
     mean_log_retention: torch.Tensor
     omega: torch.Tensor
     w: torch.Tensor
