@@ -42,7 +42,7 @@ def resolve(model: str | Path) -> Path:
 def checkpoint(model: str | Path) -> Path:
     """A directory transformers loads: a shipped model unpacked into the cache, or the checkpoint given."""
     path = resolve(model)
-    return assets.checkpoint(path) if path.parent == assets.MODELS else path
+    return assets.checkpoint(path) if path.resolve().parent == assets.MODELS else path
 
 
 def model_type(model: str | Path) -> str:

@@ -1,6 +1,7 @@
 """The shipped text splits and the two shipped models: offline loading, a forward pass, a pinned loss."""
 
 import math
+import os
 
 import pytest
 import torch
@@ -92,4 +93,5 @@ def test_shipped_weights_unpack_bit_identical_into_the_cache(tmp_path, monkeypat
     assert (path / "tokenizer.json").read_bytes() == assets.TOKENIZER.read_bytes()  # the one shared file
     weights.write_bytes(weights.read_bytes()[:-1])  # a damaged cache is unpacked again
     assert checkpoint("gdn") == path
+    assert checkpoint(os.path.relpath(assets.MODELS / "gdn")) == path  # the shipped folder by its path
     assert assets.sha256_of(weights) == assets.recorded_sha256(assets.MODELS / "gdn")
