@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Train both shipped models at once on one H200 (run through the device tool; see models/*/README.md).
+# Train both shipped models at once on one H200 (run through the device tool; see stepquant/assets/models/*/README.md;
+# scripts/ship_model.py turns each result into the shipped form).
 # transformers 5.23 is carried as a wheel in .whl/; fla is deliberately NOT installed so that
 # transformers uses its PyTorch chunked path (fla 0.6.0 refuses the GDN chunk backward on Hopper
 # with Triton < 3.7.1). Outputs are split into <16 MiB parts under $OUT.

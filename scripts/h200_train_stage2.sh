@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
-# Stage 2 of the shipped KDA model on one H200: continue from its stage-1 checkpoint (models/kda)
+# Stage 2 of the shipped KDA model on one H200: continue from its stage-1 checkpoint (then models/kda;
+# INIT: an unpacked checkpoint directory, e.g. from stepquant.models.checkpoint)
 # on fla's chunk_kda when its backward runs on this GPU (checked first), else on transformers'
 # PyTorch path. (The GDN model has one stage: the 64 MiB a device call may carry does not hold
-# both checkpoints, the text and the transformers wheel.) See models/*/README.md.
+# both checkpoints, the text and the transformers wheel.) See stepquant/assets/models/*/README.md;
+# scripts/ship_model.py turns the result into the shipped form.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/transformers-*.whl || exit 1
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/fla .whl/fla_core-*.whl || exit 1
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True PYTHONUNBUFFERED=1
 BUDGET=${BUDGET:-330}
+INIT=${INIT:-models/kda}
 KDA_PATH=/tmp/site
 KDA_BATCH=4
 if PYTHONPATH=/tmp/site:/tmp/fla timeout 120 python3 -c "
@@ -23,9 +26,9 @@ assert torch.isfinite(q.grad).all() and torch.isfinite(g.grad).all()
 print('fla chunk_kda forward+backward ran')
 "; then KDA_PATH=/tmp/site:/tmp/fla; KDA_BATCH=8; fi
 echo "KDA PYTHONPATH=$KDA_PATH"
-PYTHONPATH=$KDA_PATH python3 scripts/train_model.py --arch kda --init-from models/kda --out /tmp/models/kda \
+PYTHONPATH=$KDA_PATH python3 scripts/train_model.py --arch kda --init-from "$INIT" --out /tmp/models/kda \
   --batch $KDA_BATCH --time-budget "$BUDGET" --warmup 30 --lr 1.5e-3 > "$OUT/kda.log" 2>&1 ||
-PYTHONPATH=/tmp/site python3 scripts/train_model.py --arch kda --init-from models/kda --out /tmp/models/kda \
+PYTHONPATH=/tmp/site python3 scripts/train_model.py --arch kda --init-from "$INIT" --out /tmp/models/kda \
   --batch 4 --time-budget $((BUDGET / 2)) --warmup 30 --lr 1.5e-3 > "$OUT/kda_torch.log" 2>&1
 tar -C /tmp -cf /tmp/models.tar models && split -b 15M /tmp/models.tar "$OUT/models.tar.part-"
 tail -n 3 "$OUT/kda.log"

@@ -1,11 +1,12 @@
-"""Write the model card (models/<name>/README.md + loss_curve.png) of a shipped model from measurements.
+"""Write the model card (stepquant/assets/models/<name>/README.md, loss_curve.png) of a shipped model
+from measurements.
 
     python scripts/model_card.py --model gdn      # ~2-4 minutes on 2 CPU cores
     python scripts/model_card.py --model kda
 
 Measures here, on CPU in FP32: held-out perplexity on each eval stream (the first --chunks
 non-overlapping 2048-token chunks of the held-out wiki / sotu / brown streams), a greedy sample, and
-the gate half-life census from the calibration statistics in plans/<name>/stats.safetensors
+the gate half-life census from the calibration statistics in stepquant/assets/plans/<name>/stats.safetensors
 (written by `stepquant calibrate`, 32 x 2048 calibration tokens). Training facts come from the
 train_log.json that scripts/train_model.py wrote on the GPU.
 """
@@ -24,11 +25,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from stepquant import assets  # noqa: E402
 from stepquant.calibrate.stats import CalibrationStats, half_life_census  # noqa: E402
 from stepquant.data import EVAL_STREAMS, segments  # noqa: E402
 from stepquant.models import load, resolve  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 ARCH = {
     "gdn": "Qwen3.5-style hybrid (`Qwen3_5ForCausalLM`): 8 layers, 6 Gated DeltaNet + 2 full attention "
     "(3:1), width 256, 4 key heads and 8 value heads of 128 x 128 state per GDN layer (grouped value heads, "
@@ -88,7 +89,7 @@ def main() -> None:
     ids = tokenizer(prompt, return_tensors="pt").input_ids
     sample = tokenizer.decode(model.generate(ids, max_new_tokens=40, do_sample=False)[0])
 
-    stats_path = ROOT / "plans" / args.model / "stats.safetensors"
+    stats_path = assets.PLANS / args.model / "stats.safetensors"
     stats = CalibrationStats.load(stats_path)
     half = stats.half_lives.reshape(stats.half_lives.shape[0], -1)  # [L, units per layer]
     census = half_life_census(half)
@@ -111,7 +112,8 @@ def main() -> None:
 {ARCH[args.model]}. {params / 1e6:.2f} M parameters, bf16 safetensors
 ({(path / "model.safetensors").stat().st_size / 1e6:.1f} MB), context trained at 4,096 tokens.
 Load offline: `from stepquant.models import load; model, tokenizer = load("{args.model}")`
-(or `AutoModelForCausalLM.from_pretrained("models/{args.model}")`).
+(or `AutoModelForCausalLM.from_pretrained(stepquant.models.checkpoint("{args.model}"))`: the weights ship as
+`model.safetensors.xz` and are unpacked once into a cache, sha256-checked; see stepquant/assets/__init__.py).
 
 Trained from scratch for stepquant's experiments: a real hybrid delta-rule LM whose recurrent state we
 quantize. It is tiny and undertrained; it writes plausible but repetitive English. Do not use it for
@@ -119,10 +121,11 @@ anything else.
 
 ## Data and tokenizer
 
-The "train" split of data/ (`stepquant.data`): English Wikipedia lead paragraphs, State of the Union
-addresses and the Brown Corpus, minus the held-out 10% of documents (4,604,329 tokens). Tokenizer: our
-8,192-token byte-level BPE (`data/tokenizer`, `scripts/train_tokenizer.py`) - GPT-2's 50,257-token
-vocabulary would spend 12.9 M parameters on the embedding at this width, more than the layers we study.
+The "train" split of stepquant/assets/data/ (`stepquant.data`): English Wikipedia lead paragraphs, State
+of the Union addresses and the Brown Corpus, minus the held-out 10% of documents (4,604,329 tokens).
+Tokenizer: our 8,192-token byte-level BPE (`stepquant/assets/data/tokenizer`,
+`scripts/train_tokenizer.py`) - GPT-2's 50,257-token vocabulary would spend 12.9 M parameters on the
+embedding at this width, more than the layers we study.
 
 ## Training (NVIDIA H200, {stages[-1]["torch"]}, transformers {stages[-1]["transformers"]}, 2026-12-02)
 

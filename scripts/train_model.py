@@ -1,7 +1,8 @@
 """Train one of the two shipped small hybrid LMs (GDN or KDA) on the "train" split.
 
-    python scripts/train_model.py --arch gdn --out models/gdn --time-budget 240
-    python scripts/train_model.py --arch kda --out models/kda --max-steps 1234   # exact rerun
+    python scripts/train_model.py --arch gdn --out /tmp/models/gdn --time-budget 240
+    python scripts/train_model.py --arch kda --out /tmp/models/kda --max-steps 1234   # exact rerun
+    python scripts/ship_model.py /tmp/models/gdn --name gdn     # into stepquant/assets/models/gdn
 
 Both use transformers' own architectures (Qwen3_5ForCausalLM with Gated DeltaNet, and
 KimiLinearForCausalLM with Kimi Delta Attention) so the code that serves them also serves real
@@ -129,7 +130,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", choices=["gdn", "kda"], required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--tokenizer", type=Path, default=Path("data/tokenizer"))
+    parser.add_argument("--tokenizer", type=Path, default=Path("stepquant/assets/data/tokenizer"))
     parser.add_argument("--seq-len", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--lr", type=float, default=2e-3)

@@ -1,6 +1,6 @@
 """Train the byte-level BPE tokenizer the shipped models use, on the "train" split only.
 
-    python scripts/train_tokenizer.py --vocab-size 8192 --out data/tokenizer
+    python scripts/train_tokenizer.py --vocab-size 8192 --out stepquant/assets/data/tokenizer
 
 Why our own and not GPT-2's 50,257 tokens: at width 256 GPT-2's embedding alone would be
 12.9 M parameters (26 MB in fp16), more than the layers we study; an 8 K byte-level BPE on
@@ -27,7 +27,7 @@ EOS = "<|endoftext|>"
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab-size", type=int, default=8192)
-    parser.add_argument("--out", type=Path, default=Path("data/tokenizer"))
+    parser.add_argument("--out", type=Path, default=Path("stepquant/assets/data/tokenizer"))
     args = parser.parse_args()
 
     tok = Tokenizer(models.BPE())

@@ -1,4 +1,4 @@
-"""The `stepquant` command line: calibrate | eval | memory | bench | report.
+"""The `stepquant` command line: calibrate | eval | memory.
 
 Each sub-command lives next to the code it drives and registers itself through an
 ``add_cli(subparsers)`` function; this file only lists those modules, so adding a command is
@@ -12,7 +12,7 @@ import importlib
 import sys
 
 COMMAND_MODULES = (
-    "stepquant.accounting",  # memory
+    "stepquant.accounting.cli",  # memory
     "stepquant.eval.cli",  # eval
     "stepquant.calibrate.cli",  # calibrate
 )

@@ -1,6 +1,6 @@
 """The shipped real text and its deterministic splits, plus loading a user's own text.
 
-Three sources live in data/ (see data/README.md for versions, licences and attribution):
+Three sources ship in stepquant/assets/data/ (its README.md gives versions, licences and attribution):
 English Wikipedia lead paragraphs ("wiki", the WikiText-like calibration source), US State of
 the Union addresses 1790-2021 ("sotu", long documents) and the Brown Corpus ("brown", 15 genres).
 
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-DATA_DIR = Path(__file__).resolve().parent.parent / "data"
+from stepquant import assets
+
 SOURCES = ("wiki", "sotu", "brown")
 EVAL_STREAMS = SOURCES
 SPLITS = ("train", "calib", *EVAL_STREAMS)
@@ -40,9 +41,10 @@ def load_documents(source: str) -> list[dict]:
     """All documents of one shipped source, in hash order."""
     if source not in SOURCES:
         raise ValueError(f"unknown text source {source!r}; shipped sources are {', '.join(SOURCES)}")
-    path = DATA_DIR / f"{source}.jsonl.gz"
+    path = assets.DATA / f"{source}.jsonl.gz"
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing; it ships with the repository (git checkout data/)")
+        raise FileNotFoundError(f"{path} is missing; it ships with stepquant (reinstall, or git checkout "
+                                "stepquant/assets/data)")
     with gzip.open(path, "rt", encoding="utf-8") as f:
         docs = [json.loads(line) for line in f]
     return sorted(docs, key=lambda d: _hash(source, d["id"]))

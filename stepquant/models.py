@@ -1,9 +1,10 @@
 """Loading the shipped small models (or any local checkpoint) offline through transformers.
 
-Two small hybrid LMs ship in models/ (model cards there): "gdn", a Qwen3.5-style Gated DeltaNet
-hybrid (Qwen3_5ForCausalLM), and "kda", a Kimi-Linear-style Kimi Delta Attention hybrid
+Two small hybrid LMs ship in stepquant/assets/models/ (model cards there): "gdn", a Qwen3.5-style Gated
+DeltaNet hybrid (Qwen3_5ForCausalLM), and "kda", a Kimi-Linear-style Kimi Delta Attention hybrid
 (KimiLinearForCausalLM). Anywhere a model is asked for, a shipped name or a path to a local
-transformers checkpoint directory works.
+transformers checkpoint directory works. A shipped model's weights are unpacked once into a cache
+(stepquant.assets.checkpoint: bit-identical, sha256-checked).
 
     from stepquant.models import load
     model, tokenizer = load("gdn")
@@ -11,21 +12,23 @@ transformers checkpoint directory works.
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 import torch
 
-MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
+from stepquant import assets
+from stepquant.families import FAMILIES, family_for
+
 SHIPPED = ("gdn", "kda")
-GDN_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")
-KDA_TYPES = ("kimi_linear",)
 
 
 def resolve(model: str | Path) -> Path:
-    """A shipped name ("gdn", "kda") or a checkpoint directory -> the directory."""
+    """A shipped name ("gdn", "kda") or a checkpoint directory -> the directory holding its config.json
+    (for a shipped model the asset directory; :func:`checkpoint` gives one transformers can load)."""
     if isinstance(model, str) and model in SHIPPED:
-        path = MODELS_DIR / model
+        path = assets.MODELS / model
     else:
         path = Path(model)
     if not (path / "config.json").exists():
@@ -36,47 +39,27 @@ def resolve(model: str | Path) -> Path:
     return path
 
 
+def checkpoint(model: str | Path) -> Path:
+    """A directory transformers loads: a shipped model unpacked into the cache, or the checkpoint given."""
+    path = resolve(model)
+    return assets.checkpoint(path) if path.resolve().parent == assets.MODELS else path
+
+
 def model_type(model: str | Path) -> str:
     return json.loads((resolve(model) / "config.json").read_text())["model_type"]
 
 
-def family(model_type_name: str) -> str:
-    """'gdn' or 'kda' for a supported transformers model_type, else a clear error."""
-    if model_type_name in GDN_TYPES:
-        return "gdn"
-    if model_type_name in KDA_TYPES:
-        return "kda"
-    raise ValueError(
-        f"unsupported model_type {model_type_name!r}: stepquant supports Gated DeltaNet models "
-        f"({', '.join(GDN_TYPES)}) and Kimi Delta Attention models ({', '.join(KDA_TYPES)})"
-    )
-
-
-# transformers modules whose multi-token path calls a chunked PyTorch function that a token-by-token
-# recurrent function computes identically: (module, chunk function name, recurrent function name)
-_PREFILL_FUNCTIONS = (
-    (
-        "transformers.models.qwen3_5.modeling_qwen3_5",
-        "torch_chunk_gated_delta_rule",
-        "torch_recurrent_gated_delta_rule",
-    ),
-    (
-        "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe",
-        "torch_chunk_gated_delta_rule",
-        "torch_recurrent_gated_delta_rule",
-    ),
-    (
-        "transformers.models.qwen3_next.modeling_qwen3_next",
-        "torch_chunk_gated_delta_rule",
-        "torch_recurrent_gated_delta_rule",
-    ),
-    (
-        "transformers.models.kimi_linear.modeling_kimi_linear",
-        "chunk_kimi_delta_attention",
-        "recurrent_kimi_delta_attention",
-    ),
-)
 _ORIGINAL_CHUNK_FUNCTIONS: dict[str, object] = {}
+
+
+def _prefill_functions() -> list[tuple[str, str, str]]:
+    """(modeling module, chunk function, recurrent function) of every supported model type, once per module:
+    the chunked PyTorch function its multi-token path calls, which the token-by-token one computes too."""
+    seen = {}
+    for family in FAMILIES.values():
+        for model_type in family.types.values():
+            seen[model_type.modeling_module] = (model_type.modeling_module, *family.recurrence_functions)
+    return list(seen.values())
 
 
 def use_recurrent_prefill(enabled: bool = True) -> None:
@@ -88,9 +71,7 @@ def use_recurrent_prefill(enabled: bool = True) -> None:
     and is ~6x faster for KDA on 2 CPU cores (2 x 2048 tokens: 10.8 s vs 64.6 s, same loss).
     On GPU keep the chunked kernels (enabled=False restores them).
     """
-    import importlib
-
-    for module_name, chunk_name, recurrent_name in _PREFILL_FUNCTIONS:
+    for module_name, chunk_name, recurrent_name in _prefill_functions():
         module = importlib.import_module(module_name)
         key = f"{module_name}.{chunk_name}"
         original = _ORIGINAL_CHUNK_FUNCTIONS.setdefault(key, getattr(module, chunk_name))
@@ -143,8 +124,8 @@ def load(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve(model)
-    family(model_type(path))
+    family_for(model_type(model))
+    path = checkpoint(model)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     kwargs = {"dtype": dtype, "local_files_only": True}
     if device_map is not None:

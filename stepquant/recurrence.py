@@ -2,7 +2,7 @@
 
 Everything else in stepquant is judged against these loops: codecs by how far the quantized loop
 drifts from the float one, kernels by matching them, calibration by the row-impact vectors they
-define. They are written to read like DESIGN.md section 2 (one head, t = token):
+define. They are written to read like docs/method.md section 2 (one head, t = token):
 
     D_t = exp(g_t) I (GDN, scalar g per head)  or  diag(exp(g_t)) (KDA, g per key channel)
     A_t = (I - beta_t k_t k_t^T) D_t,   B_t = beta_t k_t v_t^T
@@ -208,7 +208,7 @@ def quantized_gated_delta_rule(
     on_step: Callable[..., None] | None = None,
     track_reference: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Quantized serving loop (DESIGN.md section 2): returns (o [B, T, H, V], final stored state or None).
+    """The quantized serving loop (docs/method.md section 2): (o [B, T, H, V], final stored state or None).
 
     Per token, from the dequantized stored state Ŝ_{t-1}:
       feedback="native": X_t = A_t Ŝ_{t-1} + B_t                               (what a server computes)

@@ -4,11 +4,11 @@ supported model type, concrete plans counted through the packed layout, and the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from stepquant import assets
 from stepquant.accounting import (
     GIB,
     MIB,
@@ -26,17 +26,17 @@ from stepquant.accounting import (
     max_pivots,
     measured_bytes,
     plan_bytes,
-    shape_from_config,
     stepquant_bytes,
 )
 from stepquant.cli import main
 from stepquant.codecs.base import Codec
+from stepquant.families import shape_from_config
 
 QWEN = PRESETS["qwen3.8-27b"]
 KIMI = PRESETS["kimi-linear-48b-a3b"]
 
 
-# ---------------------------------------------------------------- the paper's numbers (DESIGN.md section 4)
+# ------------------------------------------------------- the paper's numbers (docs/method.md section 4)
 
 def test_qwen_preset_shape():
     assert QWEN.num_heads == 2_304 and QWEN.full_attention_layers == 16
@@ -301,7 +301,7 @@ def test_a_qwen38_like_config_gives_the_papers_shape(config, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     for source in (path, path / "config.json", config):
         shape = shape_from_config(source)
-        assert shape.mixer is Mixer.GDN
+        assert shape.family is Mixer.GDN
         assert (shape.linear_layers, shape.heads, shape.key_dim, shape.value_dim) == (48, 48, 128, 128)
         assert shape.full_attention_layers == 16
         assert shape.conv_state_bytes == QWEN.conv_state_bytes == 2_949_120
@@ -312,7 +312,7 @@ def test_a_qwen38_like_config_gives_the_papers_shape(config, tmp_path):
 
 def test_kimi_hub_config_gives_81920_kda_rows():
     shape = shape_from_config(KIMI_HUB)
-    assert shape.mixer is Mixer.KDA
+    assert shape.family is Mixer.KDA
     assert (shape.linear_layers, shape.heads, shape.key_dim, shape.value_dim) == (20, 32, 128, 128)
     assert shape.num_units == KIMI.num_units == 81_920
     assert shape.full_attention_layers == 7
@@ -441,7 +441,7 @@ def test_cli_plan_counts_the_plans_own_format(capsys):
     from stepquant.models import resolve
     from stepquant.pool import PackedStatePool, plans_from
 
-    plans = Path(__file__).resolve().parents[1] / "plans" / "gdn"
+    plans = assets.PLANS / "gdn"
     model_dir = str(resolve("gdn"))
     shape = shape_from_config(model_dir)
     printed = {}

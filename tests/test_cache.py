@@ -6,9 +6,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from stepquant.accounting import int_rowwise_bytes, plan_bytes, shape_from_config
+from stepquant.accounting import int_rowwise_bytes, plan_bytes
 from stepquant.codecs import MixedCodec, make_codec
 from stepquant.codecs.base import PIVOT_BITS
+from stepquant.families import shape_from_config
 from stepquant.integrations.hf_cache import (
     CompressedStateCache,
     check_transformers_version,

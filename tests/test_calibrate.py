@@ -6,7 +6,6 @@ Plan files (round trip, validation, tampering) and the CLI are in tests/test_cal
 
 from __future__ import annotations
 
-import importlib
 import itertools
 import math
 
@@ -15,7 +14,6 @@ import torch
 
 from stepquant.accounting import PRESETS, default_pivots, stepquant_bytes
 from stepquant.calibrate import (
-    ADAPTERS,
     CalibrationStats,
     RecurrenceObserver,
     StatsConfig,
@@ -34,6 +32,7 @@ from stepquant.calibrate import (
 from stepquant.calibrate.plan import build_plan, plan_accounting
 from stepquant.calibrate.stats import BIT_WIDTHS
 from stepquant.data import calibration_segments
+from stepquant.families import FAMILIES, GDN
 from stepquant.models import load, use_recurrent_prefill
 
 # ---------------------------------------------------------------- shared helpers
@@ -84,9 +83,10 @@ def synthetic_stats(family="gdn", layers=(0, 1), heads=3, key_dim=8, value_dim=8
 def restore_kernels():
     """Put every observed transformers kernel function back after a test that switches prefill paths."""
     saved = []
-    for adapter in {a.modeling_module: a for a in ADAPTERS.values()}.values():
-        module = importlib.import_module(adapter.modeling_module)
-        saved += [(module, name, getattr(module, name)) for name in adapter.kernel_functions]
+    for family in FAMILIES.values():
+        for model_type in family.types:
+            module = family.modeling_module(model_type)
+            saved += [(module, name, getattr(module, name)) for name in family.recurrence_functions]
     yield
     for module, name, function in saved:
         setattr(module, name, function)
@@ -131,12 +131,12 @@ def test_replay_matches_model(restore_kernels, name, token_loop):
 
 def test_observer_restores_kernel_functions():
     model, tokenizer = shipped("gdn")
-    module = importlib.import_module(ADAPTERS["qwen3_5_text"].modeling_module)
-    before = [getattr(module, name) for name in ADAPTERS["qwen3_5_text"].kernel_functions]
+    module = GDN.modeling_module("qwen3_5_text")
+    before = [getattr(module, name) for name in GDN.recurrence_functions]
     seen = []
     with RecurrenceObserver(model, seen.append):
         assert module.torch_chunk_gated_delta_rule is not before[0]
-    assert [getattr(module, name) for name in ADAPTERS["qwen3_5_text"].kernel_functions] == before
+    assert [getattr(module, name) for name in GDN.recurrence_functions] == before
     with torch.inference_mode():
         model(input_ids=calibration_segments(tokenizer, 1, 8), use_cache=False)
     assert seen == []  # nothing is captured outside the block
@@ -163,7 +163,7 @@ def test_observer_refuses_unknown_model_type():
     class Model(torch.nn.Module):
         config = Config()
 
-    with pytest.raises(ValueError, match="'llama' has no calibration adapter; supported: qwen3_next"):
+    with pytest.raises(ValueError, match="unsupported model_type 'llama'; supported: qwen3_next"):
         RecurrenceObserver(Model(), lambda capture: None)
 
 

@@ -1,6 +1,6 @@
 """Tests of quantization plans (stepquant/calibrate/plan.py) and `stepquant calibrate`: round trip, the API
 the cache uses (codec, bits_per_value), validation against model configs, refusal of truncated or edited
-files, the CLI end to end on a shipped model, and the plans committed under plans/."""
+files, the CLI end to end on a shipped model, and the plans shipped under stepquant/assets/plans/."""
 
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ import pytest
 import torch
 from test_calibrate import single_torch_thread, synthetic_stats  # noqa: F401 (an autouse fixture)
 
+from stepquant import assets
 from stepquant.accounting import plan_bytes
 from stepquant.calibrate import Plan, allocate, build_plan
 from stepquant.calibrate.plan import PLAN_ARRAYS, PLAN_JSON, PLAN_PLOT
 from stepquant.cli import main
 from stepquant.codecs import MixedCodec
 
-REPO = Path(__file__).resolve().parent.parent
 SHIPPED_GDN = dict(family="gdn", layers=(0, 1, 2, 4, 5, 6), heads=8, key_dim=128, value_dim=128)
 SHIPPED_KDA = dict(family="kda", layers=(0, 1, 2, 4, 5, 6), heads=4, key_dim=128, value_dim=128)
 
@@ -72,7 +72,7 @@ def test_plan_codec_quantizes_a_state(saved_plans):
 
 
 def _config(name: str, **changes) -> dict:
-    config = json.loads((REPO / "models" / name / "config.json").read_text())
+    config = json.loads((assets.MODELS / name / "config.json").read_text())
     config.update(changes)
     return config
 
@@ -143,7 +143,7 @@ def test_plan_refuses_damaged_files(saved_plans, tmp_path, file_name, damage, me
 
 
 def test_memory_cli_reads_a_plan(saved_plans, capsys):
-    rc = main(["memory", "--config", str(REPO / "models" / "gdn"), "--bits", "6", "--plan",
+    rc = main(["memory", "--config", str(assets.MODELS / "gdn"), "--bits", "6", "--plan",
                str(saved_plans[("gdn", "stepquant")]), "--json"])
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and report["formats"][-1]["format"].startswith("plan ")
@@ -181,12 +181,12 @@ def test_calibrate_cli_end_to_end(tmp_path, capsys):
     assert "--exponent 0.5 differs from the statistics" in capsys.readouterr().err
 
 
-COMMITTED = sorted(p.parent for p in (REPO / "plans").glob("*/*/plan.json"))
+COMMITTED = sorted(p.parent for p in assets.PLANS.glob("*/*/plan.json"))
 
 
 @pytest.mark.parametrize("directory", COMMITTED, ids=[f"{p.parent.name}/{p.name}" for p in COMMITTED])
 def test_committed_plans_load_and_meet_their_budget(directory):
-    plan = Plan.load(directory, model_config=directory.parent.name)  # plans/<shipped model>/<variant>-<bits>
+    plan = Plan.load(directory, model_config=directory.parent.name)  # <shipped model>/<variant>-<bits>
     accounting = plan.accounting()
     assert plan.variant + f"-{plan.budget_bits}" == directory.name
     assert accounting["within_budget"] and accounting["slack_bits"] >= 0
@@ -208,20 +208,73 @@ def test_calibrate_cli_refuses_bad_arguments_before_running(capsys, tmp_path, ar
     assert message in capsys.readouterr().err
 
 
+def as_version_1(directory: Path, target: Path) -> Path:
+    """A copy of a plan directory as a version-1 plan without a quantizer block (the committed plans
+    before studies/migrate_plans.py), its integrity block recomputed as the version-1 writer did."""
+    import hashlib
+    import shutil
+
+    shutil.copytree(directory, target)
+    document = json.loads((target / PLAN_JSON).read_text())
+    document.pop("quantizer")
+    document.pop("integrity")
+    document["format_version"] = 1
+    canonical = lambda obj: json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+    digest = lambda obj: hashlib.sha256(canonical(obj)).hexdigest()
+    document["integrity"] = {
+        f"{PLAN_ARRAYS}_sha256": hashlib.sha256((target / PLAN_ARRAYS).read_bytes()).hexdigest(),
+        "bits_sha256": digest(document["bits"]), "plan_sha256": digest(document)}
+    (target / PLAN_JSON).write_text(json.dumps(document, indent=1))
+    return target
+
+
+def test_version_1_plans_load_with_the_v1_quantizer_and_migrate_to_the_same_codecs(tmp_path):
+    from stepquant.calibrate.quantizer import V1_QUANTIZER
+    from studies.migrate_plans import migrate
+
+    shipped = assets.PLANS / "kda" / "stepquant-4"
+    assert json.loads((shipped / PLAN_JSON).read_text())["format_version"] == 2  # migrated
+    old = as_version_1(shipped, tmp_path / "v1")
+    v1 = Plan.load(old)
+    assert v1.quantizer == V1_QUANTIZER and v1.codec(0).config == V1_QUANTIZER
+    arrays = (old / PLAN_ARRAYS).read_bytes()
+    assert migrate(old) == "migrated" and migrate(old) == "already version 2"
+    assert (old / PLAN_ARRAYS).read_bytes() == arrays  # the arrays are not rewritten
+    assert (old / PLAN_JSON).read_text() == (shipped / PLAN_JSON).read_text()  # what the committed one is
+    migrated = Plan.load(old)
+    gen = torch.Generator().manual_seed(0)
+    states = torch.randn(2, v1.num_heads, v1.key_dim, v1.value_dim, generator=gen)
+    for i in range(len(v1.linear_layers)):
+        assert torch.equal(migrated.codec(i).roundtrip(states), v1.codec(i).roundtrip(states))
+
+
+def test_a_version_2_plan_must_have_its_quantizer_block(tmp_path):
+    import shutil
+
+    shutil.copytree(assets.PLANS / "gdn" / "stepquant-6", tmp_path / "plan")
+    document = json.loads((tmp_path / "plan" / PLAN_JSON).read_text())
+    document.pop("quantizer")
+    (tmp_path / "plan" / PLAN_JSON).write_text(json.dumps(document))
+    with pytest.raises(ValueError, match="a version-2 plan must have a quantizer block"):
+        Plan.load(tmp_path / "plan")
+    document["format_version"] = 3
+    (tmp_path / "plan" / PLAN_JSON).write_text(json.dumps(document))
+    with pytest.raises(ValueError, match="plan format version 3; this stepquant reads versions 1, 2"):
+        Plan.load(tmp_path / "plan")
+
+
 def test_plan_pins_its_quantizer(saved_plans, tmp_path, capsys):
-    from stepquant.calibrate.plan import V1_QUANTIZER
+    from stepquant.calibrate.quantizer import quantizer_to_json
     from stepquant.codecs import Grid
     from stepquant.codecs.dual_axis import DualAxisConfig
     from stepquant.pool import plans_from
 
-    # committed plans predate the quantizer block: they load with the defaults they were calibrated with
-    shipped = Plan.load(REPO / "plans" / "kda" / "stepquant-4")
-    assert "quantizer" not in json.loads((REPO / "plans/kda/stepquant-4" / PLAN_JSON).read_text())
-    assert shipped.quantizer == V1_QUANTIZER and shipped.codec(0).config == V1_QUANTIZER
-    # a new plan records its quantizer, and its codecs and pool layers run it
-    stats = synthetic_stats(**SHIPPED_KDA, seed=2)
+    # a new plan records the quantizer its statistics were measured with; its codecs and pool layers run it
     midtread = DualAxisConfig(grid=Grid.MIDTREAD, refit_iters=1)
-    plan = build_plan(stats, allocate(stats, "stepquant", 4), command="pytest", quantizer=midtread)
+    stats = synthetic_stats(**SHIPPED_KDA, seed=2)
+    object.__setattr__(stats, "settings", {"quantizer": quantizer_to_json(midtread)})
+    assert stats.quantizer == midtread
+    plan = build_plan(stats, allocate(stats, "stepquant", 4), command="pytest")
     loaded = Plan.load(plan.save(tmp_path / "midtread"))
     assert json.loads((tmp_path / "midtread" / PLAN_JSON).read_text())["quantizer"]["grid"] == "midtread"
     assert loaded.quantizer == midtread and loaded.codec(3).config == midtread
@@ -230,8 +283,18 @@ def test_plan_pins_its_quantizer(saved_plans, tmp_path, capsys):
     assert all(layer.spatial == "absmax" for layer in plans_from(temporal))  # the plan's own format
     states = torch.randn(1, plan.num_heads, 128, 128)
     assert loaded.codec(0).encode(states).grid is Grid.MIDTREAD
-    # the CLI option, recorded in the plan and in its command
+    # a dual-axis plan refuses a quantizer its distortion table was not measured with
+    with pytest.raises(ValueError, match="differs from the one the statistics' distortion table"):
+        build_plan(stats, allocate(stats, "stepquant", 4), quantizer=DualAxisConfig())
+    # the CLI option: statistics measured on the other grid are refused, on the same grid used and recorded
+    default_stats = tmp_path / "default-grid"
+    synthetic_stats(**SHIPPED_KDA, seed=2).save(default_stats)
+    assert main(["calibrate", "--stats", str(default_stats), "--bits", "4", "--variant", "stepquant",
+                 "--grid", "midtread", "--out", str(tmp_path / "refused"), "--no-progress"]) == 2
+    assert "collect statistics with the plan's quantizer" in capsys.readouterr().err
     out = tmp_path / "cli"
+    cli_quantizer = DualAxisConfig(grid=Grid.MIDTREAD)  # what --grid midtread makes
+    object.__setattr__(stats, "settings", {"quantizer": quantizer_to_json(cli_quantizer)})
     stats.save(out)
     assert main(["calibrate", "--stats", str(out), "--bits", "4", "--variant", "stepquant",
                  "--grid", "midtread", "--out", str(out), "--no-progress"]) == 0

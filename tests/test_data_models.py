@@ -1,12 +1,14 @@
 """The shipped text splits and the two shipped models: offline loading, a forward pass, a pinned loss."""
 
 import math
+import os
 
 import pytest
 import torch
 
 from stepquant import data
-from stepquant.models import family, load, resolve
+from stepquant.families import family_for
+from stepquant.models import load, resolve
 
 # Loss of each shipped model on the first 256 tokens of the held-out wiki stream (FP32, CPU).
 # Pinned so that any change to the checkpoints, the tokenizer or the splits is noticed.
@@ -54,7 +56,7 @@ def test_unknown_model_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="shipped name"):
         resolve(tmp_path)
     with pytest.raises(ValueError, match="unsupported model_type 'llama'"):
-        family("llama")
+        family_for("llama")
 
 
 def test_forward_loss_is_pinned_and_learned(shipped):
@@ -77,3 +79,19 @@ def test_greedy_generation_is_english(shipped):
     words = text.split()
     assert len(words) >= 5
     assert sum(w.strip(".,;").isalpha() for w in words) >= 0.7 * len(words)
+
+
+def test_shipped_weights_unpack_bit_identical_into_the_cache(tmp_path, monkeypatch):
+    from stepquant import assets
+    from stepquant.models import checkpoint
+
+    monkeypatch.setenv("STEPQUANT_CACHE", str(tmp_path))
+    path = checkpoint("gdn")
+    assert path.parent == tmp_path / "models" and (path / "config.json").is_file()
+    weights = path / assets.WEIGHTS
+    assert assets.sha256_of(weights) == assets.recorded_sha256(assets.MODELS / "gdn")
+    assert (path / "tokenizer.json").read_bytes() == assets.TOKENIZER.read_bytes()  # the one shared file
+    weights.write_bytes(weights.read_bytes()[:-1])  # a damaged cache is unpacked again
+    assert checkpoint("gdn") == path
+    assert checkpoint(os.path.relpath(assets.MODELS / "gdn")) == path  # the shipped folder by its path
+    assert assets.sha256_of(weights) == assets.recorded_sha256(assets.MODELS / "gdn")

@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stepquant.accounting import dsq_bytes, int_rowwise_bytes, shape_from_config
+from stepquant.accounting import dsq_bytes, int_rowwise_bytes
 from stepquant.codecs import make_codec
 from stepquant.eval.cli import add_cli
 from stepquant.eval.methods import (
@@ -25,6 +25,7 @@ from stepquant.eval.methods import (
 )
 from stepquant.eval.probe import agreement_lengths, drift_probe, excess_nll, first_eos_lengths
 from stepquant.eval.report import markdown_report, moving_average
+from stepquant.families import shape_from_config
 from stepquant.models import load, resolve
 
 GDN_LINEAR = [0, 1, 2, 4, 5, 6]
@@ -200,8 +201,8 @@ def test_eval_command_end_to_end(tmp_path, capsys):
 @pytest.mark.parametrize("name", ["gdn", "kda"])
 def test_attribution_head_variants_isolate_one_head(name):
     from stepquant.calibrate import Plan
-    from stepquant.eval.attribution import head_variants
     from stepquant.eval.methods import DEFAULT_PLANS_DIR
+    from studies.attribution import head_variants
 
     variants_of = ("stepquant", "temporal")
     plans = {v: Plan.load(DEFAULT_PLANS_DIR / name / f"{v}-4", model_config=name) for v in variants_of}
@@ -229,8 +230,8 @@ def test_attribution_head_variants_isolate_one_head(name):
 
 def test_attribution_diagnostic_variants_change_one_thing_each():
     from stepquant.calibrate import Plan
-    from stepquant.eval.attribution import diagnostic_variants
     from stepquant.eval.methods import DEFAULT_PLANS_DIR
+    from studies.attribution import diagnostic_variants
 
     plans = {v: Plan.load(DEFAULT_PLANS_DIR / "gdn" / f"{v}-4", model_config="gdn")
              for v in ("stepquant", "temporal")}

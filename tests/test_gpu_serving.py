@@ -7,12 +7,10 @@
   per-step logits from the same stored state, and greedy generation.
 
 Every test is marked gpu and skips without CUDA; the prefill tests need fla, the cache tests a shipped
-checkpoint (a device call may carry one model at a time: the other's tests then skip, saying so).
+checkpoint.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +23,6 @@ from stepquant.packing import unpack
 from stepquant.pool import LayerPlan, PackedLayer
 from stepquant.recurrence import gated_delta_rule
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
@@ -77,12 +74,11 @@ def test_prefill_with_fla_matches_the_torch_recurrence(kda):
 # ---------------------------------------------------------------- PackedStateCache on CUDA
 
 def shipped_on_gpu(name: str):
+    from stepquant import assets
     from stepquant.models import load
 
-    if not (ROOT / "models" / name / "model.safetensors").exists():
-        pytest.skip(f"models/{name}/model.safetensors is missing here (a device call may carry one model)")
     model, _ = load(name, device="cuda")
-    return model, Plan.load(ROOT / "plans" / name / "stepquant-6", model_config=model.config)
+    return model, Plan.load(assets.PLANS / name / "stepquant-6", model_config=model.config)
 
 
 def forward(model, cache, ids: torch.Tensor) -> torch.Tensor:

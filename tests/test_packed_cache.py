@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
-
 import pytest
 import torch
 from transformers import DynamicCache
 
-from stepquant.accounting import plan_bytes, shape_from_config
+from stepquant import assets
+from stepquant.accounting import plan_bytes
 from stepquant.calibrate import Plan
-from stepquant.calibrate.observers import adapter_for
+from stepquant.families import KDA, shape_from_config
 from stepquant.integrations import packed_cache
 from stepquant.integrations.hf_cache import CompressedStateCache
 from stepquant.integrations.packed_cache import (
@@ -23,7 +21,7 @@ from stepquant.integrations.packed_cache import (
 )
 from stepquant.models import load
 
-PLANS = Path(__file__).resolve().parents[1] / "plans"
+PLANS = assets.PLANS
 MODELS = ("gdn", "kda")
 
 
@@ -202,8 +200,8 @@ def test_reorder_copies_slot_contents_for_beam_search():
 def test_routing_changes_nothing_for_other_caches():
     model, _ = load("kda")
     plan = Plan.load(PLANS / "kda" / "stepquant-6", model_config=model.config)
-    module = importlib.import_module(adapter_for("kimi_linear").modeling_module)
-    names = adapter_for("kimi_linear").kernel_functions
+    module = KDA.modeling_module("kimi_linear")
+    names = KDA.recurrence_functions
     ids = tokens(1, 8, seed=6)
 
     def plain_run():

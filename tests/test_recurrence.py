@@ -84,7 +84,7 @@ def explicit_operators(q, k, v, g, beta, *, scale=None, use_qk_l2norm=False):
 def explicit_loop(
     inputs, initial_state, *, codec=None, feedback="native", quantize_initial_state=True, **prep
 ):
-    """S_t = A_t S_{t-1} + B_t, y_t = S_t^T q_t; with a codec the quantized loop of DESIGN.md section 2."""
+    """S_t = A_t S_{t-1} + B_t, y_t = S_t^T q_t; with a codec, the loop of docs/method.md section 2."""
     q, k, v, b, D, A, B = explicit_operators(**inputs, **prep)
     batch, seq_len, heads, key_dim = q.shape
     S = torch.zeros(batch, heads, key_dim, v.shape[-1], dtype=torch.float64)

@@ -4,7 +4,8 @@ allocate bits (lifetime-aware, exact knapsack, FP16 pivots) and write validated 
     observers.py  RecurrenceObserver (captures q, k, v, g, beta per layer), replay (FP32 reference)
     stats.py      collect_stats -> CalibrationStats (stats.safetensors), unit_half_lives, row_impact_factors
     allocate.py   allocate -> Allocation (variants stepquant / temporal / temporal-nopivot / spatial)
-    plan.py       Plan (plan.json + plan.safetensors): load/validate, codec(i), bits_per_value
+    plan.py       Plan (plan.json v2 + plan.safetensors): load/validate, codec(i), bits_per_value
+    quantizer.py  the quantizer block (DualAxisConfig <-> JSON) of plans and statistics, V1_QUANTIZER
     cli.py        `stepquant calibrate`
 
 docs/calibration.md describes the method choices, the commands and the measured timings.
@@ -22,15 +23,13 @@ from .allocate import (
     solve_allocation,
 )
 from .observers import (
-    ADAPTERS,
-    FamilyAdapter,
     RecurrenceCapture,
     RecurrenceObserver,
     Replay,
     replay,
     replay_error,
 )
-from .plan import Plan, build_plan, load_plan, model_identity, plan_accounting
+from .plan import Plan, build_plan, load_plan, model_shape, plan_accounting
 from .stats import (
     CalibrationStats,
     StatsConfig,
@@ -41,12 +40,10 @@ from .stats import (
 )
 
 __all__ = [
-    "ADAPTERS",
     "DEFAULT_HORIZON",
     "VARIANTS",
     "Allocation",
     "CalibrationStats",
-    "FamilyAdapter",
     "Plan",
     "RecurrenceCapture",
     "RecurrenceObserver",
@@ -60,7 +57,7 @@ __all__ = [
     "half_life_census",
     "lifetime_weights",
     "load_plan",
-    "model_identity",
+    "model_shape",
     "plan_accounting",
     "replay",
     "replay_error",

@@ -1,4 +1,4 @@
-"""Lifetime-aware bit allocation with FP16 pivots: the exact solution of DESIGN.md section 3's problem.
+"""Lifetime-aware bit allocation with FP16 pivots: the exact solution of docs/method.md section 3's problem.
 
 Given calibration statistics (stats.py) for U units (GDN heads or KDA key rows, all of n values):
 

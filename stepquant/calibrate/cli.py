@@ -21,6 +21,7 @@ import torch
 
 from stepquant.codecs.base import Grid
 from stepquant.codecs.dual_axis import DEFAULT_GRID, DualAxisConfig
+from stepquant.families import KDA, family_for
 
 from .allocate import (
     DEFAULT_HORIZON,
@@ -30,7 +31,7 @@ from .allocate import (
     default_candidates,
     lifetime_weights,
 )
-from .plan import PLAN_PLOT, Plan, build_plan, model_identity
+from .plan import PLAN_PLOT, Plan, build_plan, model_shape
 from .stats import (
     DEFAULT_BATCH_SIZE,
     DEFAULT_EXPONENT,
@@ -191,6 +192,8 @@ def _stats_command(args) -> str:
         parts += ["--omega-floor", repr(args.omega_floor)]
     if args.device_map:
         parts += ["--device-map", args.device_map]
+    if args.grid != DEFAULT_GRID.value:
+        parts += ["--grid", args.grid]
     return " ".join(parts)
 
 
@@ -202,7 +205,7 @@ def _plan_command(args, variant: str, bits: int) -> str:
         parts += ["--pivots", str(args.pivots)]
     if args.candidates:
         parts += ["--candidates", args.candidates]
-    if args.grid != DEFAULT_GRID.value:
+    if args.stats and args.grid != DEFAULT_GRID.value:
         parts += ["--grid", args.grid]
     parts += ["--out", shlex.quote(str(args.out))]
     return " ".join(parts)
@@ -221,8 +224,8 @@ def _load_stats(args) -> CalibrationStats:
                 "distortion depends on it: recalibrate without --stats"
             )
     if args.model is not None:
-        identity = model_identity(args.model)
-        if identity.model_type != stats.model_type or identity.linear_layers != stats.linear_layers:
+        model = model_shape(args.model)
+        if model.model_type != stats.model_type or model.layer_indices != stats.linear_layers:
             raise ValueError(
                 f"the statistics in {path} are for {stats.model_type} layers "
                 f"{list(stats.linear_layers)}, not for --model {args.model}"
@@ -232,7 +235,7 @@ def _load_stats(args) -> CalibrationStats:
 
 def _collect(args) -> CalibrationStats:
     from stepquant.data import segments
-    from stepquant.models import family, load, model_type
+    from stepquant.models import load, model_type
 
     if args.dtype not in DTYPES:
         raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
@@ -241,7 +244,7 @@ def _collect(args) -> CalibrationStats:
     )
     # On CPU transformers' chunked torch fallback is the faster prefill for GDN, its token loop for KDA
     # (stepquant.models.use_recurrent_prefill); on GPU the model's own kernels are kept.
-    token_loop = on_cpu and family(model_type(args.model)) == "kda"
+    token_loop = on_cpu and family_for(model_type(args.model)) is KDA
     model, tokenizer = load(
         args.model,
         dtype=DTYPES[args.dtype],
@@ -256,6 +259,7 @@ def _collect(args) -> CalibrationStats:
         omega_floor=DEFAULT_OMEGA_FLOOR if args.omega_floor is None else args.omega_floor,
         batch_size=args.batch_size,
         replay_device=args.replay_device,
+        quantizer=DualAxisConfig(grid=args.grid),
     )
     stats = collect_stats(
         model, tokens, config, model_name=str(args.model), data=str(args.data), progress=not args.no_progress
@@ -437,10 +441,10 @@ def add_cli(subparsers) -> None:
         "--grid",
         choices=[g.value for g in Grid],
         default=DEFAULT_GRID.value,
-        help="integer grid of the plans' dual-axis quantizer, recorded in plan.json (default "
-        f"{DEFAULT_GRID.value}); the allocation still uses the statistics' distortion table, measured "
-        "with the default quantizer. On KDA at 4 bits midtread halved STEPQuant's excess NLL "
-        "(docs/results/grid_probe_kda.md)",
+        help="integer grid of the dual-axis quantizer (default "
+        f"{DEFAULT_GRID.value}): the distortion table is measured with it and the plans record it in "
+        "plan.json; with --stats the statistics must have been measured with the same grid. On KDA at "
+        "4 bits midtread halved STEPQuant's excess NLL (docs/results/grid_probe_kda.md)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")

@@ -26,77 +26,19 @@ layer's inputs: statistics stream, they are never all kept.
 the model's own q/k L2 norm) on a capture and returns its readouts and state snapshots; tests check
 that the readouts equal the model's own core attention outputs.
 
-Adding a model family is one :class:`FamilyAdapter` line in ``ADAPTERS``.
+Where a model type keeps its mixer and recurrence functions comes from its stepquant.families entry.
 """
 
 from __future__ import annotations
 
-import importlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from stepquant.families import family_for, linear_layers
 from stepquant.recurrence import gated_delta_rule
-
-GDN_FUNCTIONS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-KDA_FUNCTIONS = ("chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
-
-
-@dataclass(frozen=True)
-class FamilyAdapter:
-    """Where a transformers model family keeps its linear-attention recurrence.
-
-    family:          "gdn" (one log-decay per head) or "kda" (one per key channel)
-    modeling_module: the transformers module that defines the mixer and its kernel functions
-    mixer_class:     the mixer nn.Module class in that module (it has a ``layer_idx`` attribute)
-    kernel_functions: module-level functions the mixer calls as f(query, key, value, g=, beta=, ...)
-    """
-
-    family: str
-    modeling_module: str
-    mixer_class: str
-    kernel_functions: tuple[str, ...]
-
-    def __post_init__(self) -> None:
-        if self.family not in ("gdn", "kda"):
-            raise ValueError(f"family must be 'gdn' or 'kda', got {self.family!r}")
-        if not self.kernel_functions:
-            raise ValueError("kernel_functions must name at least one function")
-
-
-_QWEN3_5 = FamilyAdapter(
-    "gdn", "transformers.models.qwen3_5.modeling_qwen3_5", "Qwen3_5GatedDeltaNet", GDN_FUNCTIONS
-)
-_QWEN3_5_MOE = FamilyAdapter(
-    "gdn", "transformers.models.qwen3_5_moe.modeling_qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet", GDN_FUNCTIONS
-)
-ADAPTERS: dict[str, FamilyAdapter] = {
-    "qwen3_next": FamilyAdapter(
-        "gdn", "transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet", GDN_FUNCTIONS
-    ),
-    "qwen3_5": _QWEN3_5,
-    "qwen3_5_text": _QWEN3_5,
-    "qwen3_5_moe": _QWEN3_5_MOE,
-    "qwen3_5_moe_text": _QWEN3_5_MOE,
-    "kimi_linear": FamilyAdapter(
-        "kda",
-        "transformers.models.kimi_linear.modeling_kimi_linear",
-        "KimiLinearDeltaAttention",
-        KDA_FUNCTIONS,
-    ),
-}
-
-
-def adapter_for(model_type: str) -> FamilyAdapter:
-    """The adapter of a transformers model_type, or a ValueError listing the supported ones."""
-    if model_type not in ADAPTERS:
-        raise ValueError(
-            f"model_type {model_type!r} has no calibration adapter; supported: {', '.join(ADAPTERS)} "
-            "(add a FamilyAdapter to stepquant.calibrate.observers.ADAPTERS)"
-        )
-    return ADAPTERS[model_type]
 
 
 @dataclass(frozen=True, eq=False)
@@ -131,19 +73,20 @@ class RecurrenceCapture:
         return self.v.shape[1]
 
 
-def linear_attention_modules(
-    model: torch.nn.Module, adapter: FamilyAdapter
-) -> list[tuple[int, torch.nn.Module]]:
+def linear_attention_modules(model: torch.nn.Module, model_type: str) -> list[tuple[int, torch.nn.Module]]:
     """(layer_idx, mixer module) of every linear-attention layer of ``model``, in layer order."""
-    module = importlib.import_module(adapter.modeling_module)
-    mixer_type = getattr(module, adapter.mixer_class)
-    found = [(int(m.layer_idx), m) for m in model.modules() if isinstance(m, mixer_type)]
-    if not found:
+    family = family_for(model_type)
+    mixer_class = family.model_type(model_type).mixer_class
+    mixer_type = getattr(family.modeling_module(model_type), mixer_class)
+    found = {int(m.layer_idx): m for m in model.modules() if isinstance(m, mixer_type)}
+    expected = linear_layers(model.config)
+    if sorted(found) != list(expected):
         raise ValueError(
-            f"the model has no {adapter.mixer_class} modules; is it a {adapter.family.upper()} model "
-            f"of {adapter.modeling_module}?"
+            f"the model's {mixer_class} modules sit at layers {sorted(found)}, its config lists "
+            f"linear-attention layers {list(expected)}; is it a {family.name.upper()} model of "
+            f"{family.model_type(model_type).modeling_module}?"
         )
-    return sorted(found, key=lambda pair: pair[0])
+    return [(layer, found[layer]) for layer in expected]
 
 
 def _model_type(model) -> str:
@@ -186,9 +129,8 @@ class RecurrenceObserver:
                 f"on_capture must be callable as on_capture(capture), got {type(on_capture).__name__}"
             )
         self.model_type = _model_type(model)
-        self.adapter = adapter_for(self.model_type)
-        self.family = self.adapter.family
-        self._mixers = linear_attention_modules(model, self.adapter)
+        self.family = family_for(self.model_type).name
+        self._mixers = linear_attention_modules(model, self.model_type)
         self.linear_layers = tuple(layer for layer, _ in self._mixers)
         self._on_capture = on_capture
         self._device = torch.device(device)
@@ -202,8 +144,9 @@ class RecurrenceObserver:
     def __enter__(self) -> RecurrenceObserver:
         if self._active:
             raise RuntimeError("this RecurrenceObserver is already active")
-        module = importlib.import_module(self.adapter.modeling_module)
-        for name in self.adapter.kernel_functions:
+        family = family_for(self.model_type)
+        module = family.modeling_module(self.model_type)
+        for name in family.recurrence_functions:
             original = getattr(module, name)
             wrapper = self._wrap(original)
             setattr(module, name, wrapper)

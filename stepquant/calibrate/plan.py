@@ -7,8 +7,9 @@ A plan directory holds
                      achieved bits/value (analytical and serving), calibration settings and the command
                      that made it, and an "integrity" block;
   (plan.json also pins the quantizer: the DualAxisConfig the codec of every layer runs, so a plan
-  keeps quantizing the same way when the library's defaults change; plans written before the field
-  existed load with :data:`V1_QUANTIZER`, the defaults they were calibrated with.)
+  keeps quantizing the same way when the library's defaults change. Format version 2 always writes
+  it; version-1 plans may lack it and then load with :data:`~stepquant.calibrate.quantizer.V1_QUANTIZER`,
+  the defaults they were calibrated with. studies/migrate_plans.py rewrote the committed plans.)
   plan.safetensors   the arrays: bits [L, H, K] int8, w [L, H, K], half-lives, lifetime weights lambda,
                      the d(b) table of the variant's quantizer, omega, mean log retention;
   half_life_vs_bits.png  (written by the CLI) half-life against allocated bits.
@@ -41,34 +42,24 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save
 
 import stepquant
-from stepquant.accounting import (
-    _WRAPPERS,
-    PIVOT_REPLACES_BITS,
-    SCALE_BITS,
-    Mixer,
-    ModelShape,
-    StateBytes,
-    _language_model_config,
-    _layer_types,
-    plan_bytes,
-    shape_from_config,
-)
+from stepquant.accounting import PIVOT_REPLACES_BITS, SCALE_BITS, StateBytes, plan_bytes
 from stepquant.codecs import MixedCodec
-from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS, Grid, check_bits_plan
+from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS, check_bits_plan
 from stepquant.codecs.dual_axis import DualAxisConfig, check_row_weights
+from stepquant.families import ModelShape, family_for, shape_from_config
 
 from .allocate import VARIANTS, Allocation, get_variant
-from .stats import BIT_WIDTHS, CalibrationStats, half_life_census
+from .quantizer import quantizer_from_json, quantizer_to_json
+from .stats import BIT_WIDTHS, CalibrationStats, ModelFields, half_life_census
 
 PLAN_FORMAT = "stepquant-plan"
-PLAN_FORMAT_VERSION = 1
+PLAN_FORMAT_VERSION = 2  # 2: the quantizer block is always written; 1: it may be absent (V1_QUANTIZER)
+READABLE_VERSIONS = (1, 2)
+ARRAYS_FORMAT_VERSION = 1  # plan.safetensors' layout, unchanged since version 1
 PLAN_JSON = "plan.json"
 PLAN_ARRAYS = "plan.safetensors"
 PLAN_PLOT = "half_life_vs_bits.png"
 PIVOT_CHAR = "P"
-# the quantizer of plans written before plan.json recorded one (the library defaults until then)
-V1_QUANTIZER = DualAxisConfig(grid=Grid.MIDRISE, row_stat="rms", clip=(0.6, 0.85, 0.95, 1.0, 1.0, 1.0, 1.0),
-                              refit_iters=2, step_normalised_refit=True, division="exact")
 _ARRAY_NAMES = ("bits", "w", "half_lives", "lifetime", "distortion", "omega", "mean_log_retention")
 
 
@@ -98,40 +89,20 @@ def _pretty(obj, indent: int = 0, width: int = 100) -> str:
 # ---------------------------------------------------------------- model configs
 
 
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What a plan must agree with: model type, family, linear-attention layer indices and head shape."""
-
-    model_type: str
-    family: str
-    linear_layers: tuple[int, ...]
-    num_heads: int
-    key_dim: int
-    value_dim: int
-
-
-def model_identity(model_config) -> ModelIdentity:
-    """The identity of a model from its transformers config (object or dict), a config.json path, a
-    checkpoint directory or a shipped model name ("gdn", "kda")."""
+def model_shape(model_config) -> ModelShape:
+    """The ModelShape (model_type, family, linear-attention layer indices, heads, K, V) of a transformers
+    config (object or dict), a config.json path, a checkpoint directory or a shipped model name ("gdn")."""
     if isinstance(model_config, (str, Path)):
         from stepquant.models import resolve
 
         path = Path(model_config)
-        path = path if path.is_file() else resolve(model_config) / "config.json"
-        model_config = json.loads(path.read_text())
-    elif hasattr(model_config, "to_dict") and not isinstance(model_config, Mapping):
-        model_config = model_config.to_dict()
-    if not isinstance(model_config, Mapping):
+        model_config = path if path.is_file() else resolve(model_config)
+    elif not (isinstance(model_config, Mapping) or hasattr(model_config, "to_dict")):
         raise TypeError(
             "model_config must be a transformers config, a dict, a config.json path, a checkpoint "
             f"directory or a shipped model name, got {type(model_config).__name__}"
         )
-    shape = shape_from_config(model_config)  # validates the model type
-    config, base_type, get = _language_model_config(model_config)
-    layer_types = _layer_types(config, base_type, get)
-    linear = tuple(i for i, t in enumerate(layer_types) if t == "linear_attention")
-    return ModelIdentity(model_config["model_type"], shape.mixer.value, linear, shape.heads, shape.key_dim,
-                         shape.value_dim)
+    return shape_from_config(model_config)
 
 
 # ---------------------------------------------------------------- bits <-> JSON
@@ -176,7 +147,7 @@ def _bits_from_json(
 
 
 @dataclass(frozen=True, eq=False)
-class Plan:
+class Plan(ModelFields):
     """A calibrated quantization plan (module docstring); :func:`build_plan` makes one, :meth:`load` reads it.
 
     bits: one int8 [H, K] tensor per linear-attention layer (2..8, 16 = FP16 pivot row; a GDN head's rows
@@ -185,13 +156,6 @@ class Plan:
     (d(b), b = 2..8, of the variant's quantizer); omega and mean_log_retention as calibrated.
     """
 
-    model_name: str
-    model_type: str
-    family: str
-    linear_layers: tuple[int, ...]
-    num_heads: int
-    key_dim: int
-    value_dim: int
     variant: str
     budget_bits: int
     pivots: int
@@ -212,9 +176,7 @@ class Plan:
         get_variant(self.variant)
         if not isinstance(self.quantizer, DualAxisConfig):
             raise TypeError(f"quantizer must be a DualAxisConfig, got {type(self.quantizer).__name__}")
-        if self.family not in ("gdn", "kda"):
-            raise ValueError(f"family must be 'gdn' or 'kda', got {self.family!r}")
-        object.__setattr__(self, "linear_layers", tuple(int(i) for i in self.linear_layers))
+        self._check_model_fields()
         object.__setattr__(self, "candidates", tuple(int(b) for b in self.candidates))
         num_layers = len(self.linear_layers)
         if len(self.bits) != num_layers or len(self.w) != num_layers:
@@ -266,31 +228,10 @@ class Plan:
         return VARIANTS[self.variant].has_col_scale
 
     @property
-    def unit_shape(self) -> tuple[int, ...]:
-        base = (len(self.linear_layers), self.num_heads)
-        return base if self.family == "gdn" else (*base, self.key_dim)
-
-    @property
     def unit_bits(self) -> torch.Tensor:
         """Bits per unit, int8 [L, H] (GDN) or [L, H, K] (KDA); 16 = FP16 pivot."""
         stacked = torch.stack(self.bits)  # [L, H, K]
         return stacked[:, :, 0] if self.family == "gdn" else stacked
-
-    @property
-    def unit_values(self) -> int:
-        return self.key_dim * self.value_dim if self.family == "gdn" else self.value_dim
-
-    @property
-    def shape(self) -> ModelShape:
-        mixer = Mixer.GDN if self.family == "gdn" else Mixer.KDA
-        return ModelShape(
-            self.model_name or self.model_type,
-            mixer,
-            len(self.linear_layers),
-            self.num_heads,
-            self.key_dim,
-            self.value_dim,
-        )
 
     def layer_number(self, model_layer: int) -> int:
         """The linear-layer number i (index into bits / w / codec) of a model layer index."""
@@ -342,7 +283,7 @@ class Plan:
                 "key_dim": self.key_dim,
                 "value_dim": self.value_dim,
                 "unit": "head" if self.family == "gdn" else "key row",
-                "num_units": math.prod(self.unit_shape),
+                "num_units": self.num_units,
             },
             "variant": self.variant,
             "spatial": self.spatial,
@@ -373,16 +314,23 @@ class Plan:
             # records for study, not used to quantize: FP32 keeps the file small (loading widens to FP64)
             **{name: getattr(self, name).to(torch.float32).contiguous() for name in _ARRAY_NAMES[2:]},
         }
-        blob = save(arrays, metadata={"format": PLAN_FORMAT, "format_version": str(PLAN_FORMAT_VERSION)})
+        blob = save(arrays, metadata={"format": PLAN_FORMAT, "format_version": str(ARRAYS_FORMAT_VERSION)})
+        (directory / PLAN_ARRAYS).write_bytes(blob)
+        self.write_json(directory, blob)
+        return directory
+
+    def write_json(self, directory: str | Path, arrays_blob: bytes) -> Path:
+        """Write plan.json (current format version) for the plan.safetensors bytes ``arrays_blob``, with
+        the integrity block; studies/migrate_plans.py uses it to rewrite a plan.json alone."""
         document = self._document()
         document["integrity"] = {
-            f"{PLAN_ARRAYS}_sha256": _sha256(blob),
+            f"{PLAN_ARRAYS}_sha256": _sha256(arrays_blob),
             "bits_sha256": _sha256(_canonical(document["bits"])),
             "plan_sha256": _sha256(_canonical(document)),
         }
-        (directory / PLAN_ARRAYS).write_bytes(blob)
-        (directory / PLAN_JSON).write_text(_pretty(document) + "\n")
-        return directory
+        path = Path(directory) / PLAN_JSON
+        path.write_text(_pretty(document) + "\n")
+        return path
 
     @classmethod
     def load(cls, path: str | Path, model_config=None) -> Plan:
@@ -406,11 +354,15 @@ class Plan:
             raise ValueError(f"{json_path} is truncated or not valid JSON ({err}); recalibrate") from err
         if not isinstance(document, dict) or document.get("format") != PLAN_FORMAT:
             raise ValueError(f"{json_path} is not a stepquant plan (format {PLAN_FORMAT!r} missing)")
-        if document.get("format_version") != PLAN_FORMAT_VERSION:
+        version = document.get("format_version")
+        if version not in READABLE_VERSIONS:
             raise ValueError(
-                f"{json_path} has plan format version {document.get('format_version')!r}; this "
-                f"stepquant reads version {PLAN_FORMAT_VERSION}; recalibrate"
+                f"{json_path} has plan format version {version!r}; this stepquant reads versions "
+                f"{', '.join(map(str, READABLE_VERSIONS))}; recalibrate"
             )
+        if version >= 2 and "quantizer" not in document:
+            raise ValueError(f"{json_path}: a version-{version} plan must have a quantizer block; "
+                             "recalibrate")
         redo = _recalibrate_hint(document)
         integrity = document.pop("integrity", None)
         if not isinstance(integrity, dict):
@@ -468,18 +420,17 @@ class Plan:
 
     def check_model(self, model_config) -> None:
         """Raise ValueError naming the first difference between this plan and a model config."""
-        model = model_identity(model_config)
+        model = model_shape(model_config)
         redo = _recalibrate_hint({"calibration": self.calibration})
-        plan_type = _WRAPPERS.get(self.model_type, self.model_type)
-        model_type = _WRAPPERS.get(model.model_type, model.model_type)
-        if model.family != self.family or plan_type != model_type:
+        plan_type = family_for(self.model_type).text_type(self.model_type)
+        if model.family.name != self.family or plan_type != model.family.text_type(model.model_type):
             raise ValueError(
                 f"the plan is for model_type {self.model_type!r} ({self.family.upper()}) but the model is "
-                f"{model.model_type!r} ({model.family.upper()}){redo}"
+                f"{model.model_type!r} ({model.family.name.upper()}){redo}"
             )
         checks = (
-            ("linear-attention layers", tuple(self.linear_layers), model.linear_layers),
-            ("heads per layer", self.num_heads, model.num_heads),
+            ("linear-attention layers", tuple(self.linear_layers), model.layer_indices),
+            ("heads per layer", self.num_heads, model.heads),
             ("key dim K", self.key_dim, model.key_dim),
             ("value dim V", self.value_dim, model.value_dim),
         )
@@ -632,44 +583,23 @@ def plan_summary(stats: CalibrationStats, allocation: Allocation, top: int = 10)
     }
 
 
-def quantizer_to_json(config: DualAxisConfig) -> dict:
-    """The quantizer block of plan.json."""
-    return {"grid": config.grid.value, "row_stat": config.row_stat, "clip": list(config.clip),
-            "refit_iters": config.refit_iters, "step_normalised_refit": config.step_normalised_refit,
-            "division": config.division}
-
-
-def quantizer_from_json(block, where: Path | str = "plan.json") -> DualAxisConfig:
-    """The DualAxisConfig of a quantizer block; :data:`V1_QUANTIZER` for plans written without one.
-
-    Blocks written before "division" existed divided exactly (V1_QUANTIZER's value).
-    """
-    if block is None:
-        return V1_QUANTIZER
-    fields = set(quantizer_to_json(V1_QUANTIZER))
-    if isinstance(block, Mapping) and "division" not in block:
-        block = {**block, "division": V1_QUANTIZER.division}
-    if not isinstance(block, Mapping) or set(block) != fields:
-        raise ValueError(f"{where}: the quantizer block must have the fields "
-                         f"{sorted(fields)}, got {block!r}; recalibrate")
-    try:
-        return DualAxisConfig(grid=block["grid"], row_stat=block["row_stat"], clip=tuple(block["clip"]),
-                              refit_iters=block["refit_iters"],
-                              step_normalised_refit=block["step_normalised_refit"],
-                              division=block["division"])
-    except (TypeError, ValueError) as err:
-        raise ValueError(f"{where}: invalid quantizer block ({err}); recalibrate") from err
-
-
 def build_plan(stats: CalibrationStats, allocation: Allocation, *, command: str = "",
                quantizer: DualAxisConfig | None = None) -> Plan:
     """A Plan from statistics and an allocation made from them (command: how it was made, for the record).
 
-    quantizer: the DualAxisConfig the plan's codecs run (default: the library's defaults, the quantizer
-    the statistics' distortion table was measured with).
+    quantizer: the DualAxisConfig the plan's codecs run (default: the one the statistics' distortion table
+    was measured with, ``stats.quantizer``); a dual-axis variant refuses any other, an absmax variant
+    (temporal) only records it.
     """
     if not isinstance(stats, CalibrationStats) or not isinstance(allocation, Allocation):
         raise TypeError("build_plan needs a CalibrationStats and an Allocation")
+    quantizer = stats.quantizer if quantizer is None else quantizer
+    if allocation.variant.spatial == "dual_axis" and quantizer != stats.quantizer:
+        raise ValueError(
+            f"the plan's quantizer {quantizer} differs from the one the statistics' distortion table was "
+            f"measured with ({stats.quantizer}); the allocation would optimise for another quantizer: "
+            "collect statistics with the plan's quantizer (stepquant calibrate --model ... --grid ...)"
+        )
     if tuple(allocation.unit_bits.shape) != stats.unit_shape:
         raise ValueError(
             f"the allocation is over units {list(allocation.unit_bits.shape)}, the statistics over "
@@ -709,7 +639,7 @@ def build_plan(stats: CalibrationStats, allocation: Allocation, *, command: str 
         mean_log_retention=stats.mean_log_retention,
         calibration=calibration,
         summary=plan_summary(stats, allocation),
-        quantizer=DualAxisConfig() if quantizer is None else quantizer,
+        quantizer=quantizer,
     )
 
 

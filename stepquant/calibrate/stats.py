@@ -1,6 +1,6 @@
 """Calibration statistics: gate lifetimes, row impact and per-unit distortion, streamed over calibration text.
 
-What DESIGN.md section 3 asks calibration to measure, per allocation unit u (a whole head for GDN, one
+What calibration measures (docs/method.md section 3), per allocation unit u (a whole head for GDN, one
 key row of a head for KDA), over the calibration segments:
 
 - mean log retention l_u = E[g_t,u] (GDN: the head's g; KDA: g of the row's key channel), token
@@ -42,12 +42,13 @@ from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 import stepquant
-from stepquant.accounting import Mixer, ModelShape
 from stepquant.codecs import DualAxisCodec, DualAxisConfig, UniformCodec
 from stepquant.codecs.base import MAX_BITS, MIN_BITS
+from stepquant.families import ModelShape, get_family
 from stepquant.recurrence import prepare_qk, transition_readout_weights
 
 from .observers import RecurrenceCapture, RecurrenceObserver, replay, replay_error
+from .quantizer import quantizer_from_json, quantizer_to_json
 
 BIT_WIDTHS = tuple(range(MIN_BITS, MAX_BITS + 1))  # d_u(b) is measured for every b in 2..8
 QUANTIZERS = ("dual_axis", "absmax")
@@ -72,6 +73,7 @@ class StatsConfig:
     batch_size:     segments per forward pass
     replay_device:  where captured inputs go (FP32) and the replay runs; "cpu" keeps GPU memory free
     replay_tolerance: relative RMS difference of replayed vs model readouts above which a warning is issued
+    quantizer:      the dual-axis quantizer d_u(b) is measured with: the one the plans will run
     """
 
     snapshot_every: int = DEFAULT_SNAPSHOT_EVERY
@@ -80,6 +82,7 @@ class StatsConfig:
     batch_size: int = DEFAULT_BATCH_SIZE
     replay_device: str = "cpu"
     replay_tolerance: float = DEFAULT_REPLAY_TOLERANCE
+    quantizer: DualAxisConfig = field(default_factory=DualAxisConfig)
 
     def __post_init__(self) -> None:
         for name in ("snapshot_every", "batch_size"):
@@ -95,6 +98,8 @@ class StatsConfig:
         tol = self.replay_tolerance
         if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol > 0:
             raise ValueError(f"replay_tolerance must be a positive number, got {tol!r}")
+        if not isinstance(self.quantizer, DualAxisConfig):
+            raise TypeError(f"quantizer must be a DualAxisConfig, got {type(self.quantizer).__name__}")
 
 
 def _check_exponent(exponent) -> float:
@@ -147,7 +152,49 @@ def half_life_census(
 
 
 @dataclass(frozen=True, eq=False)
-class CalibrationStats:
+class ModelFields:
+    """The calibrated model, as :class:`CalibrationStats` and :class:`~stepquant.calibrate.plan.Plan` store it
+    field by field (the keys of stats.safetensors' metadata and of plan.json's "model" block), and the
+    views derived from it. family: "gdn" / "kda"; linear_layers: the model layer index of each
+    linear-attention layer; num_heads, key_dim, value_dim: H, K, V of every layer."""
+
+    model_name: str
+    model_type: str
+    family: str
+    linear_layers: tuple[int, ...]
+    num_heads: int
+    key_dim: int
+    value_dim: int
+
+    def _check_model_fields(self) -> None:
+        get_family(self.family)
+        object.__setattr__(self, "linear_layers", tuple(int(i) for i in self.linear_layers))
+
+    @property
+    def unit_shape(self) -> tuple[int, ...]:
+        """[L, H] (GDN heads) or [L, H, K] (KDA key rows)."""
+        base = (len(self.linear_layers), self.num_heads)
+        return base if get_family(self.family).unit_is_head else (*base, self.key_dim)
+
+    @property
+    def num_units(self) -> int:
+        return math.prod(self.unit_shape)
+
+    @property
+    def unit_values(self) -> int:
+        """State values per unit: K x V (GDN head) or V (KDA key row)."""
+        return get_family(self.family).unit_values(self.key_dim, self.value_dim)
+
+    @property
+    def shape(self) -> ModelShape:
+        """The accounting shape of the calibrated model."""
+        return ModelShape(self.model_name or self.model_type, get_family(self.family),
+                          len(self.linear_layers), self.num_heads, self.key_dim, self.value_dim,
+                          model_type=self.model_type, layer_indices=self.linear_layers)
+
+
+@dataclass(frozen=True, eq=False)
+class CalibrationStats(ModelFields):
     """Everything an allocation needs, per linear-attention layer (L of them, in model order).
 
     Unit tensors are [L, H] for GDN (unit = head) and [L, H, K] for KDA (unit = key row); "unit_shape"
@@ -162,13 +209,6 @@ class CalibrationStats:
     settings: how the statistics were made (data, segments, length, snapshot_every, dtype, ...).
     """
 
-    model_name: str
-    model_type: str
-    family: str
-    linear_layers: tuple[int, ...]
-    num_heads: int
-    key_dim: int
-    value_dim: int
     mean_log_retention: torch.Tensor
     omega: torch.Tensor
     w: torch.Tensor
@@ -183,10 +223,8 @@ class CalibrationStats:
     settings: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.family not in ("gdn", "kda"):
-            raise ValueError(f"family must be 'gdn' or 'kda', got {self.family!r}")
-        layers = tuple(int(i) for i in self.linear_layers)
-        object.__setattr__(self, "linear_layers", layers)
+        self._check_model_fields()
+        layers = self.linear_layers
         for name in ("num_heads", "key_dim", "value_dim", "tokens"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -217,40 +255,15 @@ class CalibrationStats:
             raise TypeError(f"settings must be a dict, got {type(self.settings).__name__}")
 
     @property
-    def mixer(self) -> Mixer:
-        return Mixer.GDN if self.family == "gdn" else Mixer.KDA
-
-    @property
-    def unit_shape(self) -> tuple[int, ...]:
-        """[L, H] (GDN heads) or [L, H, K] (KDA key rows)."""
-        base = (len(self.linear_layers), self.num_heads)
-        return base if self.family == "gdn" else (*base, self.key_dim)
-
-    @property
-    def num_units(self) -> int:
-        return math.prod(self.unit_shape)
-
-    @property
-    def unit_values(self) -> int:
-        """State values per unit: K x V (GDN head) or V (KDA key row)."""
-        return self.key_dim * self.value_dim if self.family == "gdn" else self.value_dim
-
-    @property
-    def shape(self) -> ModelShape:
-        """The accounting shape of the calibrated model."""
-        return ModelShape(
-            self.model_name or self.model_type,
-            self.mixer,
-            len(self.linear_layers),
-            self.num_heads,
-            self.key_dim,
-            self.value_dim,
-        )
-
-    @property
     def half_lives(self) -> torch.Tensor:
         """tau_u = ln 2 / (-l_u) in tokens, [*unit_shape] (inf where l_u >= 0)."""
         return half_lives_from_log_retention(self.mean_log_retention)
+
+    @property
+    def quantizer(self) -> DualAxisConfig:
+        """The dual-axis quantizer the distortion table was measured with (settings "quantizer";
+        statistics written before it was recorded used V1_QUANTIZER)."""
+        return quantizer_from_json(self.settings.get("quantizer"), "stats.safetensors settings")
 
     def distortion(self, quantizer: str) -> torch.Tensor:
         """d_u(b) [*unit_shape, 7] (b = 2..8) under "dual_axis" or "absmax"."""
@@ -442,8 +455,10 @@ class _GateAccumulator:
 class _DistortionAccumulator:
     """Pass 2: replay with snapshots; running sums of d_u(b) under both quantizers and of the unit energy."""
 
-    def __init__(self, w: torch.Tensor, snapshot_every: int, replay_device: str, tolerance: float) -> None:
+    def __init__(self, w: torch.Tensor, snapshot_every: int, replay_device: str, tolerance: float,
+                 quantizer: DualAxisConfig) -> None:
         self.w = w  # [L, H, K]
+        self.quantizer = quantizer
         self.snapshot_every = snapshot_every
         self.replay_device = replay_device
         self.tolerance = tolerance
@@ -475,7 +490,8 @@ class _DistortionAccumulator:
         for quantizer in QUANTIZERS:
             errors = []
             for bits in BIT_WIDTHS:
-                codec = DualAxisCodec(bits=bits, w=w) if quantizer == "dual_axis" else UniformCodec(bits=bits)
+                codec = (DualAxisCodec(bits=bits, w=w, config=self.quantizer) if quantizer == "dual_axis"
+                         else UniformCodec(bits=bits))
                 diff = (codec.roundtrip(x) - x).to(torch.float64).pow(2)
                 errors.append(self._unit_sum(diff, capture.family))
             key = (quantizer, i)
@@ -540,7 +556,7 @@ def collect_stats(
     omega = gates.omega(num_layers)  # [L, H, K]
     w = row_impact_factors(omega, config.exponent, config.omega_floor)
     distortion = _DistortionAccumulator(
-        w, config.snapshot_every, config.replay_device, config.replay_tolerance
+        w, config.snapshot_every, config.replay_device, config.replay_tolerance, config.quantizer
     )
     run_segments(
         model,
@@ -558,7 +574,7 @@ def collect_stats(
         "segment_length": int(segments.shape[1]),
         "snapshot_every": config.snapshot_every,
         "batch_size": config.batch_size,
-        "dual_axis_config": repr(DualAxisConfig()),
+        "quantizer": quantizer_to_json(config.quantizer),
         "stepquant_version": stepquant.__version__,
         **_model_description(model),
     }

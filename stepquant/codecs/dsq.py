@@ -13,7 +13,7 @@ natural decoupled dual-axis absmax reading of it, fixed here (per head, FP32 ari
 and X_hat = (code - 2^(b-1)) * s_row_i * s_col_j, the same QState reconstruction STEPQuant uses.
 col_exponent = 1 divides every column by its absmax (the literal decoupled reading); col_exponent = 0.5
 (the default) is the SmoothQuant-style square-root split of a column's range between the two scales.
-scripts/codec_study.py measures both and the default is the one with the lower reconstruction error
+studies/codec_study.py measures both and the default is the one with the lower reconstruction error
 on our states (docs/codec_study.md), so STEPQuant is compared against the stronger reading of DSQ.
 
 What DSQ does NOT have, and STEPQuant's dual-axis fitting does: no row-impact factors (every key row
@@ -35,7 +35,7 @@ class DSQCodec(Codec):
 
     bits:         2..8
     col_exponent: exponent in (0, 1] applied to the column absmax before it becomes the column scale
-                  (default 0.5, chosen by scripts/codec_study.py)
+                  (default 0.5, chosen by studies/codec_study.py)
     """
 
     bits: int = 4

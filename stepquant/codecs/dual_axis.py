@@ -1,4 +1,4 @@
-"""Key-row-aware dual-axis fitting: STEPQuant's spatial quantizer (DESIGN.md section 3).
+"""Key-row-aware dual-axis fitting: STEPQuant's spatial quantizer (docs/method.md section 3).
 
 Each head's state X [K, V] is stored as X ~ diag(r) Z diag(c): one FP16 scale per key row (r), one per
 value column (c), and b-bit codes Z on a symmetric grid whose normalisation is fixed by b (it costs
@@ -81,7 +81,7 @@ from .base import (
 ROW_STATS = ("absmax", "rms")
 BIT_WIDTHS = tuple(range(MIN_BITS, MAX_BITS + 1))  # the bit widths a clip table covers, 2..8
 
-# Defaults chosen by scripts/codec_study.py on synthetic gated-delta-rule states; the table, the
+# Defaults chosen by studies/codec_study.py on synthetic gated-delta-rule states; the table, the
 # command and the evidence are in docs/codec_study.md.
 DEFAULT_GRID = Grid.MIDRISE
 DEFAULT_ROW_STAT = "rms"

@@ -1,4 +1,4 @@
-"""Uniform symmetric rowwise-absmax INT2..INT8: the paper's baseline (DESIGN.md section 3), exactly.
+"""Uniform symmetric rowwise-absmax INT2..INT8: the paper's baseline (docs/method.md section 3), exactly.
 
 Per key row i of every head:
 

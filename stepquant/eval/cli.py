@@ -1,4 +1,4 @@
-"""`stepquant eval`: argument parsing and defaults (light: the work is imported from run.py when it runs).
+"""`stepquant eval`: argument parsing (light: the work is imported from run.py when it runs).
 
     stepquant eval --quick --out docs/results                      # the committed table (docs/eval.md)
     stepquant eval --models gdn --methods int4,stepquant-4 --data my_text.jsonl
@@ -10,17 +10,7 @@ import argparse
 import sys
 
 from stepquant.eval.methods import DEFAULT_METHODS, REFERENCE
-
-DEFAULT_WINDOW = 256  # first / last decode predictions reported, as in the paper
-DEFAULT_BLOCK = 64  # decode predictions per block for the standard error of the mean excess NLL
-# The paper's probe (Appendix E): P = 2048 native prefill, D = 6144 forced decode updates.
-# Greedy generation: the first gen_prompt_tokens of gen_prompts documents per stream, until EOS or the cap.
-FULL = {"prefill": 2048, "decode": 6144, "segments": 1, "gen_prompts": 4, "gen_prompt_tokens": 32,
-        "gen_max_new": 1024}
-# --quick: sized so both shipped models run every default method in under 30 minutes on 2 CPU cores.
-QUICK = {"prefill": 512, "decode": 1024, "segments": 1, "gen_prompts": 2, "gen_prompt_tokens": 32,
-         "gen_max_new": 128}
-SHIPPED_STREAMS = ("wiki", "sotu", "brown")
+from stepquant.eval.settings import DEFAULT_WINDOW, FULL, QUICK, SHIPPED_STREAMS
 
 
 def add_cli(subparsers) -> None:
@@ -44,7 +34,8 @@ def add_cli(subparsers) -> None:
     parser.add_argument("--plan", action="append", default=None, metavar="DIR",
                         help="add a calibrated plan directory as a method (repeatable)")
     parser.add_argument("--plans-dir", default=None,
-                        help="where <model>/<variant>-<bits>/ plans live (default: the repository's plans/)")
+                        help="where <model>/<variant>-<bits>/ plans live (default: the shipped plans, "
+                             "stepquant/assets/plans/)")
     parser.add_argument("--data", action="append", default=None, metavar="STREAM[,STREAM]",
                         help="eval streams: shipped wiki, sotu, brown, or a .txt / .jsonl file "
                              "(default: wiki,sotu,brown)")

@@ -8,7 +8,7 @@ committed under ``<plans-dir>/<model>/<variant>-<bits>/`` (stepquant.calibrate's
 "<method>@<layer>" (e.g. "int4@4", "stepquant-4@0") applies the method to that one model layer and keeps
 FP32 everywhere else: per-layer error attribution.
 
-:data:`DEFAULT_METHODS` is the paper's comparison (DESIGN.md section 3): the float casts, uniform rowwise
+:data:`DEFAULT_METHODS` is the paper's comparison (docs/method.md section 3): the float casts, uniform rowwise
 absmax INT8/6/4 with and without stochastic rounding, DSQ, and the four STEPQuant variants at 6 and 4 bits.
 FP32 is the reference every excess NLL is measured against, so it is always evaluated (first).
 
@@ -23,13 +23,16 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from stepquant.accounting import ModelShape, StateBytes
+from stepquant import assets
+from stepquant.accounting import StateBytes
+from stepquant.calibrate import Plan
 from stepquant.codecs import Codec, codec_names, make_codec
+from stepquant.families import ModelShape
 
 REFERENCE = "fp32"
 PLAN_VARIANTS = ("stepquant", "temporal", "temporal-nopivot", "spatial")
 PLAN_NAME = re.compile(r"^(stepquant|temporal-nopivot|temporal|spatial)-([2-8])$")
-DEFAULT_PLANS_DIR = Path(__file__).resolve().parent.parent.parent / "plans"
+DEFAULT_PLANS_DIR = assets.PLANS  # the shipped plans, stepquant/assets/plans/<model>/<variant>-<bits>/
 
 DEFAULT_METHODS = (
     "fp32", "bf16", "fp16", "int8",
@@ -80,8 +83,8 @@ def codec_label(name: str) -> str:
 
 def plan_path(key: str, model_name: str, plans_dir: str | Path | None = None) -> Path:
     """Where plan "<variant>-<bits>" of a model lives: ``<plans-dir>/<key>`` when that exists (a directory
-    `stepquant calibrate --out` wrote for one model), else ``<plans-dir>/<model>/<key>`` (the repository's
-    plans/ layout)."""
+    `stepquant calibrate --out` wrote for one model), else ``<plans-dir>/<model>/<key>`` (the layout of the
+    shipped plans)."""
     plans_dir = Path(DEFAULT_PLANS_DIR if plans_dir is None else plans_dir)
     direct = plans_dir / key
     return direct if direct.exists() else plans_dir / model_name / key
@@ -92,16 +95,12 @@ def is_plan_method(name: str) -> bool:
 
 
 def load_plan(path: str | Path, model_config=None):
-    """A calibrated plan from its directory, through stepquant.calibrate's ``Plan.load``."""
+    """A calibrated plan from its directory (stepquant.calibrate's ``Plan.load``), or a FileNotFoundError
+    that says how to make one."""
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"no calibrated plan at {path} (run `stepquant calibrate`, or pass "
                                 "--plans-dir)")
-    try:
-        from stepquant.calibrate import Plan
-    except ImportError as err:
-        raise ValueError(f"cannot load the plan {path}: stepquant.calibrate.Plan is not available "
-                         f"({err})") from err
     return Plan.load(path, model_config=model_config)
 
 

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from stepquant.eval.cli import DEFAULT_BLOCK, DEFAULT_WINDOW
+from stepquant.eval.settings import DEFAULT_BLOCK, DEFAULT_WINDOW
 from stepquant.integrations.hf_cache import CompressedStateCache
 
 

@@ -1,4 +1,4 @@
-"""The method table on one or more models: what `stepquant eval` runs (stepquant/eval/cli.py parses it).
+"""The method table on one or more models: what `stepquant eval` runs (eval/cli.py parses it).
 
 For each model: resolve the methods (stepquant.eval.methods), cut S streams of P + D + 1 tokens from the
 eval data (shipped streams "wiki", "sotu", "brown", or the user's own .txt / .jsonl), run the drift probe
@@ -26,10 +26,12 @@ from pathlib import Path
 
 import torch
 
-from stepquant.eval.cli import DEFAULT_BLOCK, FULL, QUICK, SHIPPED_STREAMS
-from stepquant.eval.methods import DEFAULT_METHODS, resolve_methods
+from stepquant.eval.methods import DEFAULT_METHODS, DEFAULT_PLANS_DIR, resolve_methods
 from stepquant.eval.probe import drift_probe, greedy_generation
 from stepquant.eval.report import markdown_report, write_outputs
+from stepquant.eval.settings import DEFAULT_BLOCK, FULL, QUICK, SHIPPED_STREAMS
+from stepquant.families import linear_layers as linear_layers_of
+from stepquant.families import shape_from_config
 
 
 def _round(values, digits: int = 5):
@@ -71,7 +73,6 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
                    plans_dir: str | None, plan_paths: list[str], packed: bool, threads: int | None,
                    skip_missing_plans: bool = False) -> dict:
     """Everything the table needs for one model, as a JSON-ready dict."""
-    from stepquant.accounting import shape_from_config
     from stepquant.data import segments as cut_segments
     from stepquant.models import load, resolve
 
@@ -80,7 +81,7 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
     started = time.perf_counter()
     model, tokenizer = load(model_name)
     config = model.config.get_text_config(decoder=True)
-    linear_layers = [i for i, t in enumerate(config.layer_types) if t == "linear_attention"]
+    linear_layers = list(linear_layers_of(model.config))
     shape = shape_from_config(resolve(model_name))
     plan_key = Path(model_name).name
     resolved = resolve_methods(methods, plan_key, linear_layers, plans_dir=plans_dir, plan_paths=plan_paths,
@@ -88,7 +89,7 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
     skipped = [m for m in methods if m != "fp32" and m not in {r.name for r in resolved}]
     if skipped:
         print(f"stepquant eval: {model_name}: no calibrated plan for {', '.join(skipped)} (looked in "
-              f"{plans_dir or 'plans/'}); evaluating the other methods", file=sys.stderr)
+              f"{plans_dir or DEFAULT_PLANS_DIR}); evaluating the other methods", file=sys.stderr)
     row_codecs = [m.codecs for m in resolved]
 
     names = [Path(d).stem if d not in SHIPPED_STREAMS else d for d in data]
@@ -168,7 +169,8 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
     }
 
 
-def _machine() -> str:
+def machine() -> str:
+    """The CPU, its core count and the OS, for the record of a run."""
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -217,7 +219,7 @@ def run_eval(args: argparse.Namespace) -> int:
         results = dict(_worker((m, kwargs)) for m in models)
     record = {
         "command": "stepquant eval " + " ".join(shlex.quote(a) for a in args.argv),
-        "machine": _machine(),
+        "machine": machine(),
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,

@@ -2,7 +2,7 @@
 
 Serving a GDN / KDA model with a compressed state means: a prefill evolves the float state and packs it
 once at the boundary; every decode token then reads the stored state, updates it in FP32 and writes it
-back encoded (DESIGN.md section 2). transformers (>=5.23,<5.24) already routes every linear-attention
+back encoded (docs/method.md section 2). transformers (>=5.23,<5.24) already routes every linear-attention
 layer through two cache calls, so the least machinery is a :class:`~transformers.DynamicCache` whose
 linear-attention layers hold the encoded object instead of a tensor:
 
@@ -13,7 +13,7 @@ In transformers' single-token decode path (``torch_recurrent_gated_delta_rule`` 
 and ``recurrent_kimi_delta_attention`` for Kimi-Linear) the layer computes X_t = A_t S_hat_{t-1} + B_t
 from the decoded state, reads y_t = X_t^T q_t from that updated FP32 state, and only then passes X_t to
 ``update_recurrent_state``: the readout never sees the requantized state, exactly the serving path of
-DESIGN.md section 2 (X from the dequantized state, y read before requantizing). During a prefill the
+docs/method.md section 2 (X from the dequantized state, y read before requantizing). During a prefill the
 layer's chunked (or token-by-token) path runs on the float state and calls ``update_recurrent_state``
 once with the final state: the boundary pack. Convolution states and attention KV stay uncompressed.
 
@@ -51,8 +51,8 @@ except ImportError as err:  # transformers missing, or a version without linear-
         f"{err}"
     ) from err
 
-from stepquant.accounting import SUPPORTED_MODEL_TYPES  # qwen3_next, qwen3_5(_moe), kimi_linear
 from stepquant.codecs import Codec, QState, make_codec
+from stepquant.families import SUPPORTED_MODEL_TYPES, linear_layers  # qwen3_next, qwen3_5(_moe), kimi_linear
 from stepquant.packing import PackedLayout, PackedState, pack, unpack
 from stepquant.recurrence import prepare_qk, step
 
@@ -371,7 +371,7 @@ class CompressedStateCache(DynamicCache):
                 raise ValueError(f"group_sizes must hold {len(specs)} positive ints (one per row group), "
                                  f"got {group_sizes}")
         super().__init__(config=config)
-        self.linear_layers = [i for i, layer in enumerate(self.layers) if type(layer) is LinearAttentionLayer]
+        self.linear_layers = list(linear_layers(config))
         if not self.linear_layers:
             raise ValueError("the config has no linear-attention layers to compress")
         per_group = [resolve_layer_codecs(spec, self.linear_layers) for spec in specs]

@@ -32,7 +32,7 @@ fla installed those names are transformers' wrappers that dispatch to fla's ``ch
 ``fused_recurrent_*``; the mixer passes q/k un-normalised with ``use_qk_l2norm_in_kernel=True``,
 no ``scale`` (K^-1/2), ``initial_state``, ``output_final_state``). Building a cache wraps those
 names of the model family's modeling module (:func:`route_recurrences`; the names come from
-``stepquant.calibrate.observers.ADAPTERS``), and ``get_recurrent_state`` re-checks it each time it
+the model type's ``stepquant.families`` entry), and ``get_recurrent_state`` re-checks it each time it
 hands out a handle (another tool may have replaced the names since, e.g.
 ``stepquant.models.use_recurrent_prefill``). The wrapper is a pass-through unless ``initial_state``
 is a :class:`PackedSlots`, which only this cache creates: a model run with any other cache (or
@@ -46,7 +46,6 @@ states stay in the DynamicCache (uncompressed), as in CompressedStateCache.
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable, Sequence
 
 import torch
@@ -56,8 +55,7 @@ from stepquant.integrations.hf_cache import check_transformers_version, config_m
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
-from stepquant.accounting import SUPPORTED_MODEL_TYPES, shape_from_config
-from stepquant.calibrate.observers import adapter_for
+from stepquant.families import SUPPORTED_MODEL_TYPES, family_for, linear_layers, shape_from_config
 from stepquant.kernels.decode import decode_step_packed, decode_step_split, naive_unpack_states, pack_states
 from stepquant.pool import LayerPlan, PackedLayer, PackedStatePool, plans_from
 
@@ -142,9 +140,9 @@ def _is_routed(fn) -> bool:
 
 def route_recurrences(model_type: str) -> None:
     """Wrap the recurrence functions of model_type's modeling module (idempotent; pass-through wrapper)."""
-    adapter = adapter_for(model_type)
-    module = importlib.import_module(adapter.modeling_module)
-    for name in adapter.kernel_functions:
+    family = family_for(model_type)
+    module = family.modeling_module(model_type)
+    for name in family.recurrence_functions:
         current = getattr(module, name)
         if not _is_routed(current):
             setattr(module, name, _route(current))
@@ -152,9 +150,9 @@ def route_recurrences(model_type: str) -> None:
 
 def unroute_recurrences(model_type: str) -> None:
     """Undo :func:`route_recurrences` where the routed wrapper is still the module attribute."""
-    adapter = adapter_for(model_type)
-    module = importlib.import_module(adapter.modeling_module)
-    for name in adapter.kernel_functions:
+    family = family_for(model_type)
+    module = family.modeling_module(model_type)
+    for name in family.recurrence_functions:
         current = getattr(module, name)
         if _is_route(current):
             setattr(module, name, current.__wrapped__)
@@ -315,7 +313,7 @@ class PackedStateCache(DynamicCache):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise ValueError(f"max_batch must be a positive int (the pool's slots), got {max_batch!r}")
         super().__init__(config=config)
-        self.linear_layers = [i for i, layer in enumerate(self.layers) if type(layer) is LinearAttentionLayer]
+        self.linear_layers = list(linear_layers(config))
         if not self.linear_layers:
             raise ValueError("the config has no linear-attention layers to serve from a pool")
         if any(self.layers[i].number_of_states != 1 for i in self.linear_layers):
