@@ -56,6 +56,7 @@ inline const char* cudaGetErrorString(cudaError_t) { return "no error (CPU emula
 
 namespace emu {
 constexpr int kMaxThreads = 1024;
+inline void* dynamic_smem = nullptr;  // the launch's dynamic shared memory (one CTA at a time)
 inline thread_local unsigned tid = 0;
 struct Cta {
     std::barrier<>* block = nullptr;
@@ -68,7 +69,7 @@ inline Cta* cta = nullptr;
 struct EmuIndex {
     unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local EmuIndex threadIdx, blockIdx;
+inline thread_local EmuIndex threadIdx, blockIdx, gridDim;
 
 inline void __syncthreads() { emu::cta->block->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::cta->warps[emu::tid / 32]->arrive_and_wait(); }
@@ -138,6 +139,8 @@ inline void emulate_launch(dim3 grid, dim3 block, Kernel kernel, Args... args) {
                     threadIdx.x = t;
                     blockIdx.x = bx;
                     blockIdx.y = by;
+                    gridDim.x = grid.x;
+                    gridDim.y = grid.y;
                     kernel(args...);
                 });
             }
