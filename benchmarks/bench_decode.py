@@ -103,8 +103,7 @@ def synthetic_plan(model: str, bits: int, heads: int, seed: int = 0) -> torch.Te
 
 
 # the fused steps the JSON line reports (the tuning variants stay in the tables)
-HEADLINE_VARIANTS = ("cuda fused (reciprocal, 1 refit)", "cuda fused (exact, 2 refits)",
-                     "cuda fused (reciprocal, 1 refit) persistent", "cuda fused (exact, 2 refits) persistent")
+HEADLINE_VARIANTS = ("cuda fused (reciprocal, 1 refit)", "cuda fused (exact, 2 refits)")
 # the quantizers timed: the committed plans' (exact division, two refits) and the kernel's contract
 EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)
 RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
@@ -316,22 +315,20 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
     for bits in args.bits:
         plan = synthetic_plan(name, bits, heads)
         uniform = torch.full((heads, KEY_DIM), bits, dtype=torch.int8)
-        # (variant, spatial, quantizer, part, backend); "cuda/2": the persistent launch, 2 CTAs per SM
+        # (variant, spatial, quantizer, part, backend)
         todo = [("cuda fused (reciprocal, 1 refit)", "dual_axis", RECIPROCAL_1, "fused", "cuda"),
-                ("cuda fused (reciprocal, 1 refit) persistent", "dual_axis", RECIPROCAL_1, "fused", "cuda/2"),
-                ("cuda fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "cuda"),
-                ("cuda fused (exact, 2 refits) persistent", "dual_axis", EXACT_2, "fused", "cuda/2")]
+                ("cuda fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "cuda")]
         if bits in args.split_bits:
-            todo += [("cuda readout (split)", "dual_axis", RECIPROCAL_1, "readout", "cuda"),
-                     ("cuda readout (split) persistent", "dual_axis", RECIPROCAL_1, "readout", "cuda/2"),
+            todo += [("cuda fused (reciprocal, 1 refit) 1 CTA/SM", "dual_axis", RECIPROCAL_1, "fused",
+                      "cuda1"),
+                     ("cuda readout (split)", "dual_axis", RECIPROCAL_1, "readout", "cuda"),
                      ("cuda writeback (split)", "dual_axis", RECIPROCAL_1, "writeback", "cuda"),
-                     ("cuda writeback (split) persistent", "dual_axis", RECIPROCAL_1, "writeback", "cuda/2"),
                      ("triton fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "triton")]
         todo += [("cuda rowwise absmax INT", "absmax", EXACT_2, "fused", "cuda")]
         for variant, spatial, config, part, backend in todo:
             if backend.startswith("cuda") and not use_cuda:
                 continue
-            cuda.LAUNCH["ctas_per_sm"] = 2 if backend == "cuda/2" else 0
+            cuda.TUNING["SQ_MIN_BLOCKS"] = 1 if backend == "cuda1" else 2
             table = uniform if spatial == "absmax" else plan
             slot_bytes = PackedLayer(LayerPlan(table, None, spatial), 1, VALUE_DIM).bytes_per_slot
             layer = make_layer(table, spatial, rotation_groups(max_batch * slot_bytes) * max_batch, config)
@@ -365,7 +362,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 except Exception:
                     log(traceback.format_exc())
             del layer
-            cuda.LAUNCH["ctas_per_sm"] = 0
+            cuda.TUNING["SQ_MIN_BLOCKS"] = 2
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
 
@@ -503,8 +500,7 @@ def main(argv=None) -> int:
         result = snapshot()
     print(summary_table(result))
     big = max(args.batches)
-    headline = {f"{r['model']}_{r['bits']}b_{r['quantizer'].replace('/', '')}"
-                f"{'_persistent' if 'persistent' in r['variant'] else ''}_ms": round(r["ms"], 5)
+    headline = {f"{r['model']}_{r['bits']}b_{r['quantizer'].replace('/', '')}_ms": round(r["ms"], 5)
                 for r in rec.rows if r["batch"] == big and r["variant"] in HEADLINE_VARIANTS}
     headline.update({f"{r['model']}_fla_fp32_ms": round(r["ms"], 5) for r in rec.rows
                      if r["batch"] == big and r["variant"] == f"fla {r['model']} fp32"})

@@ -48,10 +48,14 @@ def main(argv=None) -> int:
     target = f"{major}{minor}"
     started = time.time()
     unique = {}
-    for spatial, quantizer, part, kda, debug in CONFIGS:
+    # the benchmark also times the fused step compiled for one CTA per multiprocessor
+    configs = CONFIGS + [("dual_axis", RECIPROCAL_1, "fused", kda, "1 CTA/SM") for kda in (False, True)]
+    for spatial, quantizer, part, kda, debug in configs:
+        cuda.TUNING["SQ_MIN_BLOCKS"] = 1 if debug == "1 CTA/SM" else 2
         bits = torch.full((1, 16), 6, dtype=torch.int8)
         layer = PackedLayer(LayerPlan(bits, None, spatial, quantizer), 1, 128)
-        unique[cuda.defines_for(layer, part, kda, debug)] = None
+        unique[cuda.defines_for(layer, part, kda, debug is True)] = None
+    cuda.TUNING["SQ_MIN_BLOCKS"] = 2
 
     def one(defines):
         t0 = time.time()

@@ -129,37 +129,6 @@ def test_rowwise_absmax_decode(kda):
     check_against_codec(kernel, ref, slots.tolist(), debug["x"], None, exact_scales=False)
 
 
-def _persistent_equals_one_cta_per_item(shape: str, config: str, num_rows: int, ctas: int, device="cpu",
-                                        kda: bool = False):
-    """The persistent launch (each CTA loops over items, prefetching the next one) stores exactly what one
-    CTA per item stores, and reads exactly the same y."""
-    once, q_heads = _layer(shape, config, num_slots=num_rows + 1, device=device)
-    heads, key_dim = once.num_heads, once.key_dim
-    start = torch.randn(num_rows + 1, heads, key_dim, 128, generator=torch.Generator().manual_seed(5))
-    naive_pack_states(once, torch.arange(num_rows + 1, dtype=torch.int32, device=device), start.to(device))
-    looped = clone_layer(once)
-    slots = torch.randperm(num_rows + 1, generator=torch.Generator().manual_seed(6))[:num_rows]
-    slots = slots.to(device, torch.int32)
-    slots[1] = -1  # a skipped row in the middle of a CTA's items
-    inputs = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=7, device=device)
-    y_once = cuda.packed_decode(once, slots, *inputs, use_qk_l2norm=True)
-    saved = cuda.LAUNCH["ctas_per_sm"]
-    cuda.LAUNCH["ctas_per_sm"] = ctas
-    try:
-        y_looped = cuda.packed_decode(looped, slots, *inputs, use_qk_l2norm=True)
-    finally:
-        cuda.LAUNCH["ctas_per_sm"] = saved
-    active = slots >= 0
-    assert torch.equal(y_looped[active], y_once[active])
-    assert all(torch.equal(a, b) for a, b in zip(once.tensors(), looped.tensors(), strict=True))
-
-
-@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
-def test_persistent_launch_equals_one_cta_per_item(kda):
-    # 2 CTAs walk 3 rows x 4 heads = 12 items: every item's copies are issued during the previous one
-    _persistent_equals_one_cta_per_item("K112-mixed-pivots", "reciprocal-refit1", 3, ctas=2, kda=kda)
-
-
 def test_bf16_inputs_and_output_are_read_and_written_directly():
     # a serving engine's activations are BF16: the kernel reads them and writes y without conversions
     kernel, q_heads = _layer("K48-uniform-3578", "reciprocal-refit1", num_slots=2)
@@ -274,15 +243,6 @@ def test_gpu_rowwise_absmax_and_pack():
     cuda.pack_states(layer, slots, x)
     naive_pack_states(ref, slots, x)
     check_against_codec(layer, ref, slots.tolist(), x, None, exact_scales=True)
-
-
-@pytest.mark.gpu
-@gpu
-@pytest.mark.parametrize("ctas_per_sm", [1, 2])
-def test_gpu_persistent_launch_equals_one_cta_per_item(ctas_per_sm):
-    _persistent_equals_one_cta_per_item("K112-mixed-pivots", "reciprocal-refit1", 512, ctas=ctas_per_sm,
-                                        device="cuda", kda=True)
-    _persistent_equals_one_cta_per_item("K128-4b", "exact-refit2", 512, ctas=ctas_per_sm, device="cuda")
 
 
 @pytest.mark.gpu

@@ -39,11 +39,8 @@ VALUE_DIM = 128  # four value columns per lane of a warp
 MAX_KEY_DIM = 128  # sixteen key rows per warp, eight warps
 KEY_DIM_STEP = 16  # K is a multiple of the rows of one warp
 PARTS = {"fused": 0, "readout": 1, "writeback": 2, "pack": 3}
-# tuning knobs compiled into the library, and the launch's CTAs per multiprocessor (0: one CTA per
-# (request, head); n > 0: n resident CTAs per SM, each prefetching its next item behind its compute; the
-# CPU emulation takes n as the number of CTAs). benchmarks/bench_decode.py times alternatives.
+# tuning knobs compiled into the library (benchmarks/bench_decode.py times alternatives)
 TUNING = {"SQ_MIN_BLOCKS": 2}
-LAUNCH = {"ctas_per_sm": 0}
 
 
 class _Params(ctypes.Structure):
@@ -114,8 +111,7 @@ def build(defines: tuple[tuple[str, int], ...], target: str) -> Path:
 @functools.cache
 def _load(defines: tuple[tuple[str, int], ...], target: str) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(build(defines, target)))
-    lib.sq_packed_step.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                                   ctypes.c_void_p]
+    lib.sq_packed_step.argtypes = [ctypes.POINTER(_Params), ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
     lib.sq_packed_step.restype = ctypes.c_int
     lib.sq_error_string.argtypes = [ctypes.c_int]
     lib.sq_error_string.restype = ctypes.c_char_p
@@ -184,11 +180,7 @@ def launch(layer: PackedLayer, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *
         bf16_mask=sum(1 << i for i, t in enumerate((q, k, v, g, beta, y))
                       if t is not None and t.dtype == torch.bfloat16))
     stream = torch.cuda.current_stream(layer.device).cuda_stream if layer.device.type == "cuda" else 0
-    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta), ("work", work), ("x_in", x_in)):
-        if t is not None and t.data_ptr() % 16:
-            raise ValueError(f"{name} must start 16-byte aligned for the kernel's copies (pass a new tensor)")
-    status = lib.sq_packed_step(ctypes.byref(p), num_rows, LAUNCH["ctas_per_sm"], layer.device.index or 0,
-                                ctypes.c_void_p(stream))
+    status = lib.sq_packed_step(ctypes.byref(p), num_rows, layer.device.index or 0, ctypes.c_void_p(stream))
     if status != 0:
         raise RuntimeError(f"CUDA decode kernel failed: {lib.sq_error_string(status).decode()}")
     if debug is not None:
@@ -203,11 +195,10 @@ def _check_supported(layer: PackedLayer) -> None:
 
 
 def _as_input(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """t as the kernel reads it: FP32 or BF16 (as it comes), contiguous, 16-byte aligned, on the device."""
+    """t as the kernel reads it: FP32 or BF16 (as it comes), contiguous, on the layer's device."""
     if t.dtype not in (torch.float32, torch.bfloat16):
         t = t.to(torch.float32)
-    t = t.to(device).contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
+    return t.to(device).contiguous()
 
 
 def packed_decode(

@@ -56,7 +56,6 @@ inline const char* cudaGetErrorString(cudaError_t) { return "no error (CPU emula
 
 namespace emu {
 constexpr int kMaxThreads = 1024;
-inline void* dynamic_smem = nullptr;  // the launch's dynamic shared memory (one CTA at a time)
 inline thread_local unsigned tid = 0;
 struct Cta {
     std::barrier<>* block = nullptr;
@@ -69,7 +68,7 @@ inline Cta* cta = nullptr;
 struct EmuIndex {
     unsigned x = 0, y = 0, z = 0;
 };
-inline thread_local EmuIndex threadIdx, blockIdx, gridDim;
+inline thread_local EmuIndex threadIdx, blockIdx;
 
 inline void __syncthreads() { emu::cta->block->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::cta->warps[emu::tid / 32]->arrive_and_wait(); }
@@ -139,8 +138,6 @@ inline void emulate_launch(dim3 grid, dim3 block, Kernel kernel, Args... args) {
                     threadIdx.x = t;
                     blockIdx.x = bx;
                     blockIdx.y = by;
-                    gridDim.x = grid.x;
-                    gridDim.y = grid.y;
                     kernel(args...);
                 });
             }

@@ -118,26 +118,10 @@ struct Shared {
     int rinfo[MAX_K];         // first word << 5 | bits
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
     float red[12];
-    float scratch[NUM_WARPS * 32 * ROW_PAD];  // column partials [q][warp][V] / row partials [warp][lane][pad]
-};
-
-// What one (request, head) item reads from global memory, copied in ahead with cp.async (16-byte pieces;
-// every piece starts 16-byte aligned: K is a multiple of 16, V = 128). A CTA holds two: it computes one
-// item while the next one's copies are in flight.
-struct ItemStage {
-    uint4 codes[STAGE_WORDS / 4];  // the head's code words (at most 128 rows x 64 words: FP16 pivots)
-    uint4 k[MAX_K / 4], q[MAX_K / 4];  // raw k, q of the head's q/k head (FP32 or BF16)
-    uint4 v[V / 4];                 // raw v (FP32 or BF16); the writeback's u (FP32) instead
-    uint4 g[MAX_K / 4];             // KDA: the per-row log decays
-    uint4 rs[MAX_K / 8], cs[V / 8];  // old row and column scales (FP16)
-    uint4 rinfo[MAX_K / 4], winv[MAX_K / 4], w2[MAX_K / 4], gain[MAX_K / 4];  // the head's rows of the tables
-};
-
-// An item: request n, head h, its slot (-1: skip) and head table entry (kind, scale slot, first word, words)
-struct Item {
-    int n, h;
-    long long slot;
-    int4 head;
+    union {
+        uint4 stage[STAGE_WORDS / 4];             // the head's code words (step 1)
+        float scratch[NUM_WARPS * 32 * ROW_PAD];  // column partials [q][warp][V] / row partials [warp][lane][pad]
+    };
 };
 
 __device__ __forceinline__ float fp16_scale(float x) {
@@ -347,17 +331,10 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #endif
 }
 
-__device__ __forceinline__ void cp_async_commit() {
+__device__ __forceinline__ void cp_async_wait_all() {
 #ifndef SQ_EMULATE
     asm volatile("cp.async.commit_group;\n" ::);
-#endif
-}
-
-// wait until at most N of this thread's committed copy groups are still in flight
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-#ifndef SQ_EMULATE
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
 }
 
@@ -597,53 +574,13 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     }
 }
 
-__device__ __forceinline__ void copy_async(void* dst, const void* src, int bytes) {
-    const uint4* s = static_cast<const uint4*>(src);
-    uint4* d = static_cast<uint4*>(dst);
-#pragma unroll 1
-    for (int e = threadIdx.x; e < bytes / 16; e += THREADS) cp_async16(d + e, s + e);
-}
-
-// Start the copies of item it into st (every thread takes part); returns the item
-__device__ __forceinline__ Item prefetch(const Params& p, int it, ItemStage& st) {
-    Item item;
-    item.n = it / p.H;
-    item.h = it - item.n * p.H;
-    item.slot = p.slots[item.n];
-    item.head = reinterpret_cast<const int4*>(p.heads)[item.h];
-    if (item.slot < 0) return item;  // a free batch row: nothing to read
-    const int K = p.K, h = item.h, hs = item.head.y;
-    const long long nh = (long long)item.n * p.H + h;
-    const long long qk_row = (long long)item.n * p.HQ + h / (p.H / p.HQ);
-    const auto bytes = [&](int bit) { return (p.bf16_mask & bit) ? 2 : 4; };
-    copy_async(st.rinfo, p.row_info + h * K, 4 * K);
-    copy_async(st.winv, p.row_winv + h * K, 4 * K);
-    copy_async(st.w2, p.row_w2 + h * K, 4 * K);
-    copy_async(st.gain, p.row_gain + h * K, 4 * K);
-    if constexpr (FROM_CODES) {
-        copy_async(st.codes, p.codes + item.slot * p.slot_words + item.head.z, 4 * item.head.w);
-        if (hs >= 0) {
-            copy_async(st.rs, p.row_scale + (item.slot * p.num_scaled + hs) * K, 2 * K);
-            if (SQ_DUAL) copy_async(st.cs, p.col_scale + (item.slot * p.num_scaled + hs) * V, 2 * V);
-        }
-        copy_async(st.k, static_cast<const char*>(p.k) + qk_row * K * bytes(2), K * bytes(2));
-        copy_async(st.q, static_cast<const char*>(p.q) + qk_row * K * bytes(1), K * bytes(1));
-        if (SQ_KDA) copy_async(st.g, static_cast<const char*>(p.g) + nh * K * bytes(8), K * bytes(8));
-        if (SQ_PART == WRITEBACK) copy_async(st.v, p.work + nh * V, 4 * V);
-        else copy_async(st.v, static_cast<const char*>(p.v) + nh * V * bytes(4), V * bytes(4));
-    }
-    return item;
-}
-
 template <int KIND>  // 2..8: every row of the head has KIND bits; 0: per-row widths (and FP16 pivot rows)
-__device__ void head_step(const Params& p, Shared& sm, const Item& item, const ItemStage& st) {
+__device__ void head_step(const Params& p, Shared& sm, int n, int h, long long slot, int4 head) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-    const int n = item.n, h = item.h;
-    const long long slot = item.slot;
-    const int4 head = item.head;
     const int K = p.K;
     const int hs = head.y;  // scale slot, -1: the head has no scales (a GDN pivot head)
     const bool has_scales = hs >= 0;
+    const int hq = h / (p.H / p.HQ);
     int* slot_codes = p.codes + slot * p.slot_words;
     const long long rs_base = (slot * p.num_scaled + hs) * (long long)K;
     const long long cs_base = (slot * p.num_scaled + hs) * (long long)V;
@@ -651,27 +588,28 @@ __device__ void head_step(const Params& p, Shared& sm, const Item& item, const I
     const int row0 = warp * ROWS;  // this warp's first key row
     // where row i starts, in words from the head's first word (heads of one width: a fixed stride)
     auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
-    const int* st_rinfo = reinterpret_cast<const int*>(st.rinfo);
-    const float* st_winv = reinterpret_cast<const float*>(st.winv);
-    const float* st_w2 = reinterpret_cast<const float*>(st.w2);
-    const float* st_gain = reinterpret_cast<const float*>(st.gain);
-    const __half* st_rs = reinterpret_cast<const __half*>(st.rs);
-    const __half* st_cs = reinterpret_cast<const __half*>(st.cs);
 
-    // ---- 0. per-row inputs (from the stage) and the norms of q and k
+    // ---- 0. the head's code words into shared memory (16-byte copies: rows are 16-byte multiples at
+    // V = 128), overlapped with the per-row inputs
+    if constexpr (FROM_CODES) {
+        const uint4* src = reinterpret_cast<const uint4*>(slot_codes + head.z);
+        uint4* dst = sm.stage;
+#pragma unroll 1
+        for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(dst + e, src + e);
+    }
     if (tid < MAX_K) {  // one thread per key row: raw k, q and their partial norms
         const int i = tid;
         float k_i = 0.f, q_i = 0.f;
         if (i < K && SQ_PART != PACK) {
-            k_i = load_in(st.k, i, p.bf16_mask & 2);
-            q_i = load_in(st.q, i, p.bf16_mask & 1);
+            k_i = load_in(p.k, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 2);
+            q_i = load_in(p.q, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 1);
         }
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
         sm.row[i] = make_float4(k_i, q_i, 0.f, 0.f);
     } else {  // one thread per value column: the old column scale
         const int j = tid - MAX_K;
-        sm.col[0][j] = (SQ_DUAL && has_scales && FROM_CODES) ? __half2float(st_cs[j]) : 1.f;
+        sm.col[0][j] = (SQ_DUAL && has_scales && FROM_CODES) ? __half2float(p.col_scale[cs_base + j]) : 1.f;
     }
     __syncthreads();
     const float kn = sm.red[0] + sm.red[1] + sm.red[2] + sm.red[3];
@@ -690,15 +628,14 @@ __device__ void head_step(const Params& p, Shared& sm, const Item& item, const I
         int info = (head.z << 5) | (KIND ? KIND : 2);
         float a = 0.f, winv = 1.f, w2 = 0.f, gain = 0.f;
         if (i < K) {
-            info = st_rinfo[i];
+            info = p.row_info[h * K + i];
             const int b = info & 31;
-            float eg = 1.f;
-            if (FROM_CODES) eg = expf(SQ_KDA ? load_in(st.g, i, p.bf16_mask & 8) : load_in(p.g, nh, p.bf16_mask & 8));
-            const float r_old = (has_scales && b <= 8 && FROM_CODES) ? __half2float(st_rs[i]) : 1.f;
+            const float eg = !FROM_CODES ? 1.f : expf(load_in(p.g, SQ_KDA ? nh * K + i : nh, p.bf16_mask & 8));
+            const float r_old = (has_scales && b <= 8 && FROM_CODES) ? __half2float(p.row_scale[rs_base + i]) : 1.f;
             a = r_old * eg;  // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1)
-            winv = st_winv[i];
-            w2 = st_w2[i];
-            gain = st_gain[i];
+            winv = p.row_winv[h * K + i];
+            w2 = p.row_w2[h * K + i];
+            gain = p.row_gain[h * K + i];
         }
         const float k_i = raw.x * fk, q_i = raw.y * fq;
         sm.rinfo[i] = info;
@@ -706,6 +643,7 @@ __device__ void head_step(const Params& p, Shared& sm, const Item& item, const I
         sm.rowq[i] = make_float2(1.f, 0.f);
         sm.row[i] = make_float4(a * k_i, a * q_i, a, k_i);
     }
+    if constexpr (FROM_CODES) cp_async_wait_all();
     __syncthreads();
 
     float x[ROWS][COLS];  // levels, then X, then Y (pivot rows: values, then X)
@@ -719,7 +657,7 @@ __device__ void head_step(const Params& p, Shared& sm, const Item& item, const I
     for (int a = 0; a < 4; ++a)
 #pragma unroll
         for (int c = 0; c < COLS; ++c) acc[a][c] = 0.f;
-    const int* stage = reinterpret_cast<const int*>(st.codes);
+    const int* stage = reinterpret_cast<const int*>(sm.stage);
     float stash[4][COLS];  // mixed heads: four decoded rows (local memory: indexed at run time)
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
@@ -749,6 +687,7 @@ __device__ void head_step(const Params& p, Shared& sm, const Item& item, const I
             }
         }
     }
+    __syncthreads();  // the stage is read: its memory holds the partial sums from here on
 
     // ---- 2. u and y (threads 128..255 hold the columns)
     if constexpr (DO_READOUT) {
@@ -769,14 +708,14 @@ __device__ void head_step(const Params& p, Shared& sm, const Item& item, const I
             const float cj = sm.col[0][j];
             const float kds = __fmaf_rn(cj, s[0], s[2]);  // k^T (D S)_j
             const float qds = __fmaf_rn(cj, s[1], s[3]);  // q^T (D S)_j
-            const float u = load_in(p.beta, nh, p.bf16_mask & 16) * (load_in(st.v, j, p.bf16_mask & 4) - kds);
+            const float u = load_in(p.beta, nh, p.bf16_mask & 16) * (load_in(p.v, nh * V + j, p.bf16_mask & 4) - kds);
             sm.col[1][j] = u;
             store_out(p.y, nh * V + j, __fmaf_rn(kq, u, qds), p.bf16_mask & 32);  // y = X^T q, before requantizing
             if (SQ_PART == READOUT && p.work) p.work[nh * V + j] = u;
         }
         __syncthreads();
     } else if constexpr (SQ_PART == WRITEBACK) {
-        if (tid >= MAX_K) sm.col[1][tid - MAX_K] = reinterpret_cast<const float*>(st.v)[tid - MAX_K];
+        if (tid >= MAX_K) sm.col[1][tid - MAX_K] = p.work[nh * V + tid - MAX_K];
         __syncthreads();
     } else if constexpr (SQ_PART == PACK) {
         if (tid >= MAX_K) sm.col[1][tid - MAX_K] = 0.f;
@@ -787,82 +726,35 @@ __device__ void head_step(const Params& p, Shared& sm, const Item& item, const I
     }
 }
 
-template <int KIND>
-__device__ __forceinline__ void run_item(const Params& p, Shared& sm, const Item& item, const ItemStage& st) {
-    head_step<KIND>(p, sm, item, st);
-}
-
-// Items it = n * H + h are taken blockIdx.x, blockIdx.x + gridDim.x, ...: with a grid of one CTA per item
-// each CTA computes one; with fewer CTAs each keeps the next item's copies in flight behind its compute.
-__global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(const Params p, int total) {
-#ifdef SQ_EMULATE
-    uint4* smem = static_cast<uint4*>(emu::dynamic_smem);
-#else
-    extern __shared__ uint4 smem[];
-#endif
-    Shared& sm = *reinterpret_cast<Shared*>(smem);
-    ItemStage* stage = reinterpret_cast<ItemStage*>(smem + (sizeof(Shared) + 15) / 16);
-    int it = blockIdx.x;
-    if (it >= total) return;
-    Item item = prefetch(p, it, stage[0]);
-    cp_async_commit();
-    for (int k = 0;; ++k) {
-        const int next_it = it + gridDim.x;
-        Item next{};
-        if (next_it < total) next = prefetch(p, next_it, stage[(k + 1) & 1]);
-        cp_async_commit();
-        cp_async_wait<1>();  // this item's copies are complete (the next item's may still fly)
-        __syncthreads();
-        if (item.slot >= 0) {  // a free batch row: its output and every slot stay untouched
-            const ItemStage& st = stage[k & 1];
-            switch (item.head.x) {
-                case 2: run_item<2>(p, sm, item, st); break;
-                case 3: run_item<3>(p, sm, item, st); break;
-                case 4: run_item<4>(p, sm, item, st); break;
-                case 5: run_item<5>(p, sm, item, st); break;
-                case 6: run_item<6>(p, sm, item, st); break;
-                case 7: run_item<7>(p, sm, item, st); break;
-                case 8: run_item<8>(p, sm, item, st); break;
-                default: run_item<0>(p, sm, item, st); break;
-            }
-        }
-        __syncthreads();  // the stage and the shared arrays are free for the next items
-        if (next_it >= total) break;
-        it = next_it;
-        item = next;
+__global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(const Params p) {
+    __shared__ Shared sm;
+    const int n = blockIdx.x, h = blockIdx.y;
+    const int slot = p.slots[n];
+    if (slot < 0) return;  // a free batch row: its output and every slot stay untouched
+    const int4 head = reinterpret_cast<const int4*>(p.heads)[h];  // (kind, scale slot, first word, words)
+    switch (head.x) {
+        case 2: head_step<2>(p, sm, n, h, slot, head); break;
+        case 3: head_step<3>(p, sm, n, h, slot, head); break;
+        case 4: head_step<4>(p, sm, n, h, slot, head); break;
+        case 5: head_step<5>(p, sm, n, h, slot, head); break;
+        case 6: head_step<6>(p, sm, n, h, slot, head); break;
+        case 7: head_step<7>(p, sm, n, h, slot, head); break;
+        case 8: head_step<8>(p, sm, n, h, slot, head); break;
+        default: head_step<0>(p, sm, n, h, slot, head); break;
     }
 }
 
 }  // namespace
 
-constexpr size_t SMEM_BYTES = (sizeof(Shared) + 15) / 16 * 16 + 2 * sizeof(ItemStage);
-
-// grid: CTAs per multiprocessor (0: one CTA per item)
-extern "C" int sq_packed_step(const Params* p, int num_rows, int ctas_per_sm, int device, void* stream) {
+extern "C" int sq_packed_step(const Params* p, int num_rows, int device, void* stream) {
     cudaError_t err = cudaSetDevice(device);
     if (err != cudaSuccess) return int(err);
-    const int total = num_rows * p->H;
-    if (total == 0) return 0;
-    int grid = total;
+    if (num_rows == 0) return 0;
+    dim3 grid(num_rows, p->H);
 #ifdef SQ_EMULATE
-    if (ctas_per_sm > 0) grid = total < ctas_per_sm ? total : ctas_per_sm;  // the emulation has no SMs
-    static uint4 emulated_smem[(SMEM_BYTES + 15) / 16];
-    emu::dynamic_smem = emulated_smem;
-    emulate_launch(dim3(grid), dim3(THREADS), packed_step_kernel, *p, total);
+    emulate_launch(grid, dim3(THREADS), packed_step_kernel, *p);
 #else
-    static bool configured[64] = {};  // per device: shared memory above 48 KB must be asked for
-    if (device < 64 && !configured[device]) {
-        err = cudaFuncSetAttribute(packed_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(SMEM_BYTES));
-        if (err != cudaSuccess) return int(err);
-        configured[device] = true;
-    }
-    if (ctas_per_sm > 0) {
-        int sms = 0;
-        err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-        if (err != cudaSuccess) return int(err);
-        grid = total < ctas_per_sm * sms ? total : ctas_per_sm * sms;
-    }
-    packed_step_kernel<<<grid, THREADS, SMEM_BYTES, static_cast<cudaStream_t>(stream)>>>(*p, total);
+    packed_step_kernel<<<grid, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(*p);
 #endif
     return int(cudaGetLastError());
 }
