@@ -732,6 +732,10 @@ __global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(con
     const int slot = p.slots[n];
     if (slot < 0) return;  // a free batch row: its output and every slot stay untouched
     const int4 head = reinterpret_cast<const int4*>(p.heads)[h];  // (kind, scale slot, first word, words)
+#ifdef SQ_ONLY_KIND  // one body alone, for offline instruction counts (benchmarks/sass_cuda.py)
+    head_step<SQ_ONLY_KIND>(p, sm, n, h, slot, head);
+    return;
+#endif
     switch (head.x) {
         case 2: head_step<2>(p, sm, n, h, slot, head); break;
         case 3: head_step<3>(p, sm, n, h, slot, head); break;

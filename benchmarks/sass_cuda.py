@@ -1,0 +1,87 @@
+"""Offline SASS profile of the CUDA decode kernel (packed_step.cu): compile one body for sm_90, no GPU needed.
+
+The step is bound by instruction issue first (docs/kernels.md, "Roofline"), so the number that predicts
+its speed is SASS instructions per state value. This compiles the kernel with one head body only (a width
+b, or 0 for mixed-width heads; SQ_ONLY_KIND) and a quantizer configuration, and reports registers, stack,
+and the instructions per value of the whole body and of each stretch between barriers (the tile loops
+are fully unrolled, so static counts are the dynamic ones up to the per-CTA setup; out-of-line slow
+paths after the last EXIT are left out). Needs nvcc; uses the cuobjdump of Triton's wheel.
+
+    python benchmarks/sass_cuda.py                            # 6-bit GDN body, reciprocal quantizer, fused
+    python benchmarks/sass_cuda.py --kind 0 --kda --part readout
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from stepquant.kernels.decode import cuda  # noqa: E402
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+VALUES_PER_THREAD = 64  # a 16 x 4 tile per thread
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--kind", type=int, default=6, help="head body: a width 2..8, or 0 (mixed rows)")
+    parser.add_argument("--part", choices=list(cuda.PARTS), default="fused")
+    parser.add_argument("--division", choices=["reciprocal", "exact"], default="reciprocal")
+    parser.add_argument("--refits", type=int, default=1)
+    parser.add_argument("--kda", action="store_true", help="a gate per key row")
+    args = parser.parse_args(argv)
+    defines = {"SQ_PART": cuda.PARTS[args.part], "SQ_DUAL": 1, "SQ_MIDRISE": 1,
+               "SQ_RECIP": int(args.division == "reciprocal"), "SQ_RMS": 1, "SQ_KDA": int(args.kda),
+               "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_DEBUG": 0, "SQ_ONLY_KIND": args.kind}
+    nvcc = cuda.nvcc_path()
+    if nvcc is None:
+        print("needs nvcc", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "step.cubin"
+        flags = ["-O3", "-std=c++20", "-gencode=arch=compute_90,code=sm_90", "-cubin", "-Xptxas", "-v",
+                 *[f"-D{k}={v}" for k, v in defines.items()]]
+        build = subprocess.run([nvcc, *flags, "-o", str(cubin), str(cuda.SOURCE)], capture_output=True,
+                               text=True, check=True)
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True,
+                              check=True).stdout
+    resources = re.search(r"Used (\d+) registers", build.stderr)
+    stack = re.search(r"(\d+) bytes stack frame", build.stderr)
+    ops = []
+    for line in sass.splitlines():
+        match = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)
+        if match:
+            ops.append(re.sub(r"^@!?U?P\w+ ", "", match.group(1)).split()[0])
+    last_exit = max(i for i, op in enumerate(ops) if op == "EXIT")
+    ops = ops[: last_exit + 1]
+    stretches, current = [], []
+    for op in ops:
+        current.append(op)
+        if op.startswith("BAR.SYNC"):
+            stretches.append(current)
+            current = []
+    stretches.append(current)
+    print(f"body kind {args.kind}, {args.part}, {args.division}/{args.refits} refits, "
+          f"{'kda' if args.kda else 'gdn'}: {resources.group(1)} registers, {stack.group(1)} B stack")
+    print(f"{len(ops)} instructions = {len(ops) / VALUES_PER_THREAD:.1f} per state value")
+    for i, stretch in enumerate(stretches):
+        top = collections.Counter(op.split(".")[0] for op in stretch).most_common(5)
+        per_value = len(stretch) / VALUES_PER_THREAD
+        print(f"  stretch {i:2d} (to barrier {i + 1}): {per_value:5.1f} per value   {top}")
+    print(json.dumps({"kind": args.kind, "part": args.part, "registers": int(resources.group(1)),
+                      "instructions": len(ops), "per_value": round(len(ops) / VALUES_PER_THREAD, 2)}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
