@@ -1,0 +1,126 @@
+"""Does the CUDA kernel's quantizer cost quality? Paired excess NLL of shipped plans per quantizer version.
+
+The CUDA decode kernel is fastest with ``division="reciprocal"`` and one refit (docs/kernels.md); the
+shipped plans record the first quantizer (exact division, two refits). This study takes each shipped
+STEPQuant and spatial-only plan, writes it again with only its quantizer changed (same bits, same w):
+"-r1" reciprocal with one refit, "-r2" reciprocal with two refits, and evaluates the original and both
+versions in one ``stepquant eval --quick`` run per model (same streams, same batch), then reports each
+version's excess NLL and its paired difference to the original over the eval's blocks (mean and
+standard error of the per-block differences).
+
+    python -m studies.quantizer_check --model gdn --out runs/quantizer_check      # ~40 min on 2 cores
+    python -m studies.quantizer_check --table runs/quantizer_check                # the table only
+
+Writes <out>/<model>/ (the plans and the eval) and, with --table, quantizer_check.md and .json beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from stepquant import assets
+from stepquant.calibrate.plan import Plan
+
+BASE_PLANS = ("stepquant-6", "stepquant-4", "spatial-6", "spatial-4")
+VERSIONS = {"r1": dict(division="reciprocal", refit_iters=1),
+            "r2": dict(division="reciprocal", refit_iters=2)}
+
+
+def write_versions(model: str, out: Path) -> list[Path]:
+    """The quantizer versions of every base plan of ``model`` under out/model/plans, in eval order."""
+    paths = []
+    for name in BASE_PLANS:
+        plan = Plan.load(assets.PLANS / model / name)
+        for tag, fields in VERSIONS.items():
+            path = out / model / "plans" / f"{name}-{tag}"
+            dataclasses.replace(plan, quantizer=dataclasses.replace(plan.quantizer, **fields)).save(path)
+            paths.append(path)
+    return paths
+
+
+def run_eval(model: str, out: Path) -> None:
+    plans = write_versions(model, out)
+    command = [sys.executable, "-m", "stepquant.cli", "eval", "--models", model, "--methods",
+               ",".join(("fp32",) + BASE_PLANS), *[a for p in plans for a in ("--plan", str(p))], "--quick",
+               "--out", str(out / model / "eval"), "--no-plots"]
+    print(" ".join(command), flush=True)
+    subprocess.run(command, check=True)
+
+
+def _blocks(record: dict) -> list[float]:
+    def flat(x):
+        return [x] if isinstance(x, (int, float)) else [y for z in x for y in flat(z)]
+    return flat(record["excess_nll"]["block_means"])
+
+
+def table(out: Path) -> dict:
+    """Paired differences of every version to its original plan, for each model evaluated under out/."""
+    result = {}
+    for model_dir in sorted(p for p in out.iterdir() if (p / "eval" / "eval.json").exists()):
+        model = model_dir.name
+        methods = json.loads((model_dir / "eval" / "eval.json").read_text())["models"][model]["methods"]
+        rows = []
+        for name in BASE_PLANS:
+            base = _blocks(methods[name])
+            for version in ("", *VERSIONS):
+                key = f"{name}-{version}" if version else name
+                record = methods[key]
+                diffs = [a - b for a, b in zip(_blocks(record), base, strict=True)]
+                rows.append(dict(plan=name, version=version or "exact/2 (shipped)",
+                                 excess_nll=record["excess_nll"]["all"]["mean"],
+                                 stderr=record["excess_nll"]["stderr"],
+                                 paired_diff=statistics.mean(diffs),
+                                 paired_se=statistics.stdev(diffs) / math.sqrt(len(diffs)),
+                                 blocks=len(diffs)))
+        result[model] = rows
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Quantizer versions of the shipped plans: paired excess NLL", "",
+             "`python -m studies.quantizer_check --model M --out DIR` (stepquant eval --quick: P = 512, "
+             "D = 1024, 3 streams; the same bits and w, only the quantizer changed). r1: reciprocal "
+             "division, one refit (the CUDA kernel's fast path); r2: reciprocal, two refits. Differences to "
+             "the shipped plan are paired over the eval's blocks (nats/token, mean +- standard error).", ""]
+    for model, rows in result.items():
+        lines += [f"## {model}", "", "| plan | quantizer | excess NLL | difference to shipped | in SE |",
+                  "|---|---|---|---|---|"]
+        for r in rows:
+            shipped = r["version"].startswith("exact")
+            diff = "-" if shipped else f"{r['paired_diff']:+.5f} +- {r['paired_se']:.5f}"
+            sigmas = "-" if shipped else f"{r['paired_diff'] / r['paired_se']:+.1f}"
+            lines.append(f"| {r['plan']} | {r['version']} | {r['excess_nll']:+.5f} +- {r['stderr']:.5f} | "
+                         f"{diff} | {sigmas} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=["gdn", "kda"], help="evaluate this shipped model's versions")
+    parser.add_argument("--out", type=Path, default=Path("runs/quantizer_check"))
+    parser.add_argument("--table", type=Path, default=None, help="only write the table of an earlier --out")
+    args = parser.parse_args(argv)
+    if args.table is None:
+        if args.model is None:
+            parser.error("give --model, or --table DIR")
+        run_eval(args.model, args.out)
+        out = args.out
+    else:
+        out = args.table
+    result = table(out)
+    (out / "quantizer_check.json").write_text(json.dumps(result, indent=1))
+    (out / "quantizer_check.md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
