@@ -133,6 +133,16 @@ def test_plan_directories_in_both_layouts(tmp_path):
     assert plan_path("temporal-4", "gdn", tmp_path) == tmp_path / "temporal-4"  # a calibrate --out folder
 
 
+def test_a_plan_directory_named_like_a_listed_method_is_refused(tmp_path):
+    # results are keyed by method name: the --plan method would silently replace the listed one
+    clash = tmp_path / "stepquant-6"
+    clash.mkdir()
+    with pytest.raises(ValueError, match="already evaluated.*rename the plan directory"):
+        resolve_methods(["stepquant-6"], "gdn", GDN_LINEAR, plan_paths=[clash])
+    with pytest.raises(ValueError, match="already evaluated"):
+        resolve_methods(["int4"], "gdn", GDN_LINEAR, plan_paths=[tmp_path / "int4"])
+
+
 def test_plan_methods_use_the_plan_codec_of_each_layer():
     codecs = [make_codec("int6"), make_codec("int4")] * 3
     plan = SimpleNamespace(linear_layers=tuple(GDN_LINEAR), variant="stepquant", budget_bits=6,

@@ -156,8 +156,14 @@ def resolve_methods(names, model_name: str, linear_layers: list[int], *, plans_d
     methods += [resolve_method(n, model_name, linear_layers, plans_dir=plans_dir, model_config=model_config)
                 for n in names]
     for path in plan_paths:
+        taken = {m.name for m in methods}
+        name = Path(path).name
+        if name in taken:  # results are keyed by name: a second method of one name would overwrite the first
+            raise ValueError(f"--plan {path}: a method named {name!r} is already evaluated (a plan directory "
+                             "is named after its folder); copy or rename the plan directory, e.g. to "
+                             f"{name}-mine")
         plan = load_plan(path, model_config)
-        methods.append(plan_method(plan, Path(path).name, linear_layers))
+        methods.append(plan_method(plan, name, linear_layers))
     return methods
 
 
