@@ -109,3 +109,31 @@ def check_against_codec(kernel: PackedLayer, ref: PackedLayer, slots: list[int],
     repacked = pack(QState(again.codes, kernel.plan.bits, got.row_scale, col, again.pivots, kernel.grid),
                     kernel.layout)
     assert torch.equal(kernel.codes[index], repacked.codes)
+
+
+def gpu_decode_case(decode, bits, key_heads, kda, num_rows, spatial="dual_axis", **config) -> None:
+    """One decode token on CUDA at a real shape (K = V = 128) by ``decode`` (a kernel's packed_decode)
+    against the torch reference: X and y by relative RMS, codes exact given the kernel's scales, the stored
+    state's error at most 2x the reference's own."""
+    from stepquant.kernels.decode import naive_pack_states, naive_packed_decode
+
+    heads = bits.shape[0]
+    layer = make_layer(bits, spatial=spatial, value_dim=128, num_slots=num_rows + 1, device="cuda", **config)
+    all_slots = torch.arange(layer.num_slots, dtype=torch.int32, device="cuda")
+    naive_pack_states(layer, all_slots, torch.randn(layer.num_slots, heads, 128, 128, device="cuda"))
+    ref = clone_layer(layer)
+    slots = all_slots[1:].flip(0).contiguous()
+    slots[0] = -1
+    q, k, v, g, beta = token_inputs(num_rows, heads, key_heads, 128, 128, kda, seed=12, device="cuda")
+    debug, debug_ref = {}, {}
+    y = decode(layer, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug)
+    y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug_ref)
+    active = slots >= 0
+    assert rel_rms(debug["x"][active], debug_ref["x"]) < 1e-5
+    assert rel_rms(y[active], y_ref[active]) < 1e-5
+    check_against_codec(layer, ref, slots[active].tolist(), debug["x"][active], debug["c"][active],
+                        exact_scales=False, far_share=1e-3)
+    index = slots[active].to(torch.int64)
+    err = rel_rms(unpack(layer.gather(index)).dequantize(), debug_ref["x"])
+    err_ref = rel_rms(unpack(ref.gather(index)).dequantize(), debug_ref["x"])
+    assert err <= 2 * err_ref + 1e-6

@@ -15,7 +15,14 @@ import shutil
 
 import pytest
 import torch
-from kernel_checks import check_against_codec, clone_layer, make_layer, rel_rms, token_inputs
+from kernel_checks import (
+    check_against_codec,
+    clone_layer,
+    gpu_decode_case,
+    make_layer,
+    rel_rms,
+    token_inputs,
+)
 
 from stepquant.codecs.base import PIVOT_BITS
 from stepquant.kernels.decode import cuda, naive_pack_states, naive_packed_decode
@@ -185,26 +192,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available() or not cuda.nvcc_path(), 
 
 
 def _gpu_case(bits, key_heads, kda, num_rows, spatial="dual_axis", **config):
-    heads = bits.shape[0]
-    layer = make_layer(bits, spatial=spatial, value_dim=128, num_slots=num_rows + 1, device="cuda", **config)
-    all_slots = torch.arange(layer.num_slots, dtype=torch.int32, device="cuda")
-    naive_pack_states(layer, all_slots, torch.randn(layer.num_slots, heads, 128, 128, device="cuda"))
-    ref = clone_layer(layer)
-    slots = all_slots[1:].flip(0).contiguous()
-    slots[0] = -1
-    q, k, v, g, beta = token_inputs(num_rows, heads, key_heads, 128, 128, kda, seed=12, device="cuda")
-    debug, debug_ref = {}, {}
-    y = cuda.packed_decode(layer, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug)
-    y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug_ref)
-    active = slots >= 0
-    assert rel_rms(debug["x"][active], debug_ref["x"]) < 1e-5
-    assert rel_rms(y[active], y_ref[active]) < 1e-5
-    check_against_codec(layer, ref, slots[active].tolist(), debug["x"][active], debug["c"][active],
-                        exact_scales=False, far_share=1e-3)
-    index = slots[active].to(torch.int64)
-    err = rel_rms(unpack(layer.gather(index)).dequantize(), debug_ref["x"])
-    err_ref = rel_rms(unpack(ref.gather(index)).dequantize(), debug_ref["x"])
-    assert err <= 2 * err_ref + 1e-6
+    gpu_decode_case(cuda.packed_decode, bits, key_heads, kda, num_rows, spatial, **config)
 
 
 QUANTIZERS = {"reciprocal-refit1": CONFIGS["reciprocal-refit1"], "exact-refit2": dict(refit_iters=2)}

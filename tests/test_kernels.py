@@ -29,7 +29,7 @@ if "triton" not in sys.modules:
 
 import pytest
 import torch
-from kernel_checks import check_against_codec, clone_layer, mixed_bits, rel_rms
+from kernel_checks import check_against_codec, clone_layer, gpu_decode_case, mixed_bits, rel_rms
 from kernel_checks import make_layer as _make_layer
 from kernel_checks import token_inputs as _token_inputs
 
@@ -276,21 +276,7 @@ def test_prefill_rejects_bad_shapes():
 # ---------------------------------------------------------------- GPU: real shapes (run on the H200)
 
 def _gpu_case(heads, key_heads, kda, num_rows, bits, spatial="dual_axis"):
-    layer = make_layer(bits, spatial=spatial, value_dim=128, num_slots=num_rows + 1, device="cuda")
-    all_slots = torch.arange(layer.num_slots, dtype=torch.int32, device="cuda")
-    naive_pack_states(layer, all_slots, torch.randn(layer.num_slots, heads, 128, 128, device="cuda"))
-    ref = clone_layer(layer)
-    slots = all_slots[1:].flip(0).contiguous()
-    slots[0] = -1
-    q, k, v, g, beta = token_inputs(num_rows, heads, key_heads, 128, 128, kda, seed=12, device="cuda")
-    debug, debug_ref = {}, {}
-    y = fused_packed_decode(layer, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug)
-    y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug_ref)
-    active = slots >= 0
-    assert rel_rms(debug["x"][active], debug_ref["x"]) < 1e-5
-    assert rel_rms(y[active], y_ref[active]) < 1e-5
-    check_against_codec(layer, ref, slots[active].tolist(), debug["x"][active], debug["c"][active],
-                        exact_scales=False, far_share=1e-3)
+    gpu_decode_case(fused_packed_decode, bits, key_heads, kda, num_rows, spatial)
 
 
 @pytest.mark.gpu
