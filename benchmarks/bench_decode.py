@@ -49,9 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from stepquant.codecs.base import PIVOT_BITS  # noqa: E402
 from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
+from stepquant.codecs.packing import unpack  # noqa: E402
 from stepquant.kernels.decode import cuda, fused_packed_decode, naive_packed_decode  # noqa: E402
 from stepquant.kernels.decode.fused import work_buffer  # noqa: E402
-from stepquant.packing import unpack  # noqa: E402
 from stepquant.pool import LayerPlan, PackedLayer  # noqa: E402
 
 KEY_DIM = VALUE_DIM = 128

@@ -31,7 +31,7 @@ from stepquant.codecs import dual_axis
 from stepquant.codecs.base import PIVOT_BITS, Grid, check_bits_plan
 from stepquant.codecs.dual_axis import DualAxisConfig, check_row_weights
 from stepquant.codecs.mixed import SPATIAL_CHOICES, MixedCodec
-from stepquant.packing import PackedLayout, PackedState
+from stepquant.codecs.packing import PackedLayout, PackedState
 
 
 @dataclass(frozen=True, eq=False)

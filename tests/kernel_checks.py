@@ -10,7 +10,7 @@ import torch
 
 from stepquant.codecs.base import PIVOT_BITS, QState, round_to_codes
 from stepquant.codecs.dual_axis import DualAxisConfig, codes_for, scale_down
-from stepquant.packing import pack, unpack
+from stepquant.codecs.packing import pack, unpack
 from stepquant.pool import LayerPlan, PackedLayer
 
 SCALE_RTOL = 2.0**-9  # two FP16 steps: refit sums in another order may move a scale by one step

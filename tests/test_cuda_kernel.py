@@ -18,8 +18,8 @@ import torch
 from kernel_checks import check_against_codec, clone_layer, make_layer, rel_rms, token_inputs
 
 from stepquant.codecs.base import PIVOT_BITS
+from stepquant.codecs.packing import unpack
 from stepquant.kernels.decode import cuda, naive_pack_states, naive_packed_decode
-from stepquant.packing import unpack
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="the CPU emulation build needs a C++20 compiler")

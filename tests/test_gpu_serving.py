@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from stepquant.calibrate import Plan
+from stepquant.codecs.packing import unpack
 from stepquant.kernels import decode as decode_kernels
 from stepquant.kernels.decode import naive_pack_states
 from stepquant.kernels.prefill import _fla_chunk, prefill_packed
-from stepquant.packing import unpack
 from stepquant.pool import LayerPlan, PackedLayer
 from stepquant.recurrence import gated_delta_rule
 

@@ -34,6 +34,7 @@ from kernel_checks import make_layer as _make_layer
 from kernel_checks import token_inputs as _token_inputs
 
 from stepquant.codecs.base import PIVOT_BITS
+from stepquant.codecs.packing import pack, unpack
 from stepquant.kernels.decode import (
     decode_step_packed,
     fused_pack_states,
@@ -43,7 +44,6 @@ from stepquant.kernels.decode import (
 )
 from stepquant.kernels.decode.fused import work_buffer
 from stepquant.kernels.prefill import prefill_packed
-from stepquant.packing import pack, unpack
 from stepquant.recurrence import gated_delta_rule
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

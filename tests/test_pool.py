@@ -8,7 +8,7 @@ import torch
 from stepquant.accounting import Mixer, ModelShape, plan_bytes
 from stepquant.codecs.base import PIVOT_BITS
 from stepquant.codecs.dual_axis import DualAxisConfig
-from stepquant.packing import pack, unpack
+from stepquant.codecs.packing import pack, unpack
 from stepquant.pool import LayerPlan, PackedLayer, PackedStatePool, plans_from
 
 

@@ -23,8 +23,8 @@ from fractions import Fraction
 import torch
 
 from stepquant.codecs.base import MIN_BITS, PIVOT_BITS, check_bits
+from stepquant.codecs.packing import PackedLayout
 from stepquant.families import ModelShape, check_count
-from stepquant.packing import PackedLayout
 
 FP32_BITS = 32
 FP16_BITS = 16

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from stepquant.packing import pack, unpack
+from stepquant.codecs.packing import pack, unpack
 from stepquant.pool import PackedLayer
 from stepquant.recurrence import prepare_qk, step
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS, Grid, QState
+from .base import MAX_BITS, MIN_BITS, PIVOT_BITS, Grid, QState
 
 WORD_BITS = 32
 # Every plane width that occurs, widest first: the order planes are laid out in a row.
