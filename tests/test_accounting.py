@@ -439,7 +439,7 @@ def test_cli_plan_counts_the_plans_own_format(capsys):
     pool's slot size, not the count with column scales that every plan used to get."""
     from stepquant.calibrate import Plan
     from stepquant.models import resolve
-    from stepquant.pool import PackedStatePool, plans_from
+    from stepquant.pool import PackedStatePool
 
     plans = assets.PLANS / "gdn"
     model_dir = str(resolve("gdn"))
@@ -453,7 +453,7 @@ def test_cli_plan_counts_the_plans_own_format(capsys):
         printed[variant] = plan_row["serving_bytes"]
     temporal, stepquant = Plan.load(plans / "temporal-6"), Plan.load(plans / "stepquant-6")
     assert not temporal.has_col_scale and stepquant.has_col_scale
-    pool = PackedStatePool(plans_from(temporal, spatial=temporal.spatial), 1, shape.value_dim)
+    pool = PackedStatePool(temporal.layer_formats(), 1, shape.value_dim)
     assert printed["temporal-6"] == pool.bytes_per_slot == temporal.accounting()["serving_bytes"]
     # the column scales: one FP16 per value column of every head that has integer rows (not a pivot head)
     scaled_heads = sum(int((bits != 16).any(dim=1).sum()) for bits in temporal.bits)
