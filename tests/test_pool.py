@@ -123,3 +123,34 @@ def test_the_cpu_decode_path_uses_the_formats_codec(monkeypatch):
     v, g, beta = torch.randn(2, 4, 16, generator=gen), -torch.rand(2, 4, generator=gen), torch.rand(2, 4)
     for _ in range(2):
         naive_packed_decode(layer, torch.tensor([1, 0]), q, k, v, g, beta)
+
+
+def test_an_engines_own_pages_drive_the_kernels():
+    # the kernels take tables + pages + slots: pages allocated outside the pool (more slots, another
+    # order) decode exactly as the pool's layer does
+    from stepquant.kernels.decode import decode_step, decode_step_packed, pack, pack_states
+    from stepquant.kernels.tables import FormatTables, Pages, check_pages
+
+    fmt = kda_plan()
+    layer = PackedLayer(fmt, 2, 16)
+    tables = FormatTables(fmt, 16)
+    pages = Pages(torch.zeros(5, tables.words_per_slot, dtype=torch.int32),
+                  torch.zeros(5, tables.num_scaled_heads, 16, dtype=torch.float16),
+                  torch.zeros(5, tables.num_scaled_heads, 16, dtype=torch.float16))
+    states = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(2))
+    pack_states(layer, torch.tensor([0, 1]), states)
+    pack(tables, pages, torch.tensor([4, 2]), states)
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 2, 16, generator=gen), torch.randn(2, 2, 16, generator=gen)
+    v, g, beta = torch.randn(2, 4, 16, generator=gen), -torch.rand(2, 4, 16, generator=gen), torch.rand(2, 4)
+    y = decode_step_packed(layer, torch.tensor([0, 1], dtype=torch.int32), q, k, v, g, beta)
+    y_own = decode_step(tables, pages, torch.tensor([4, 2], dtype=torch.int32), q, k, v, g, beta)
+    assert torch.equal(y, y_own)
+    for ours, theirs in zip(layer.tensors(), pages.tensors(), strict=True):
+        assert torch.equal(ours, theirs[[4, 2]]) and not theirs[[0, 1, 3]].any()
+    assert tables.head_groups and tables.planes == 16 | 8 | 4 | 2 | 1  # rows of 4..8 bits and a pivot
+    with pytest.raises(ValueError, match=r"pages.codes must be torch.int32 \[5, "):
+        check_pages(tables, Pages(pages.codes[:, 1:].contiguous(), pages.row_scale, pages.col_scale))
+    with pytest.raises(ValueError, match="column scales"):
+        check_pages(tables, Pages(pages.codes, pages.row_scale))
+    assert Pages.empty(FormatTables(LayerFormat(fmt.bits, None, "absmax"), 16), 3).col_scale is None

@@ -25,12 +25,12 @@ from .formulas import (
     PIVOT_REPLACES_BITS,
     SCALE_BITS,
     StateBytes,
+    as_layer_formats,
     codec_bytes,
     default_pivots,
     dsq_bytes,
     float_bytes,
     int_rowwise_bytes,
-    layer_formats,
     max_pivots,
     measured_bytes,
     plan_bytes,
@@ -43,7 +43,7 @@ Mixer = SimpleNamespace(**{name.upper(): family for name, family in FAMILIES.ite
 
 __all__ = [
     "FP16_BITS", "FP32_BITS", "GIB", "MIB", "PIVOT_REPLACES_BITS", "PRESETS", "SCALE_BITS", "Capacity",
-    "Mixer", "ModelShape", "StateBytes", "capacity", "codec_bytes", "default_pivots", "dsq_bytes",
-    "float_bytes", "format_report", "get_preset", "int_rowwise_bytes", "layer_formats", "max_pivots",
+    "Mixer", "ModelShape", "StateBytes", "as_layer_formats", "capacity", "codec_bytes", "default_pivots",
+    "dsq_bytes", "float_bytes", "format_report", "get_preset", "int_rowwise_bytes", "max_pivots",
     "measured_bytes", "memory_report", "plan_bytes", "stepquant_bytes",
 ]

@@ -186,7 +186,7 @@ def codec_bytes(codec, shape: ModelShape) -> StateBytes:
                       _bits_to_bytes(serving * shape.linear_layers), shape.values)
 
 
-def layer_formats(layers, shape: ModelShape, has_col_scale: bool = True) -> list[LayerFormat]:
+def as_layer_formats(layers, shape: ModelShape, has_col_scale: bool = True) -> list[LayerFormat]:
     """One :class:`~stepquant.codecs.LayerFormat` per linear-attention layer of ``shape``.
 
     ``layers``: one entry per layer, a LayerFormat or a bit table, [H] (bits per GDN head) or [H, K]
@@ -218,12 +218,12 @@ def layer_formats(layers, shape: ModelShape, has_col_scale: bool = True) -> list
 
 
 def plan_bytes(layers, shape: ModelShape, has_col_scale: bool = True, label: str = "plan") -> StateBytes:
-    """Bytes of a concrete plan: the sum of its layers' ``LayerFormat.bytes`` (see :func:`layer_formats`).
+    """Bytes of a concrete plan: the sum of its layers' ``LayerFormat.bytes`` (see :func:`as_layer_formats`).
 
     Serving bytes are the packed layout's (docs/format.md, word padding included); analytical bytes
     reserve scale slots for every head.
     """
-    formats = layer_formats(layers, shape, has_col_scale)
+    formats = as_layer_formats(layers, shape, has_col_scale)
     analytical = sum(f.bytes(shape.value_dim, analytical=True) for f in formats)
     serving = sum(f.bytes(shape.value_dim) for f in formats)
     return StateBytes(label, analytical, serving, shape.values)

@@ -43,7 +43,7 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save
 
 import stepquant
-from stepquant.accounting import PIVOT_REPLACES_BITS, SCALE_BITS, StateBytes, layer_formats, plan_bytes
+from stepquant.accounting import PIVOT_REPLACES_BITS, SCALE_BITS, StateBytes, as_layer_formats, plan_bytes
 from stepquant.codecs import LayerFormat, MixedCodec
 from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS
 from stepquant.codecs.dual_axis import DualAxisConfig
@@ -466,14 +466,14 @@ def plan_accounting(layers, shape: ModelShape, budget_bits: int, pivots: int,
                     has_col_scale: bool = True) -> dict:
     """Budget vs achieved bits of a plan: its LayerFormats' bytes against the nominal formulas.
 
-    layers: the plan's LayerFormats, or its bit tables with has_col_scale (accounting.layer_formats).
+    layers: the plan's LayerFormats, or its bit tables with has_col_scale (accounting.as_layer_formats).
     code_bits_budget = b̄ N - 8 N_piv (N_piv in values); code_bits_used: the integer codes; slack = the
     difference. nominal_*_bytes: the format at exactly the budget (codes b̄ N - 8 N_piv, FP16 pivots, FP16
     scales: every head analytically, serving without heads that are all pivots); *_bytes: the plan's
     packed layout (``LayerFormat.bytes``). With V a multiple of 32 (rows word-aligned) bytes = nominal -
     slack / 8.
     """
-    formats = layer_formats(layers, shape, has_col_scale)
+    formats = as_layer_formats(layers, shape, has_col_scale)
     stacked = torch.stack([f.bits.to(torch.int64) for f in formats])  # [L, H, K]
     is_pivot = stacked == PIVOT_BITS
     code_bits_used = int(stacked[~is_pivot].sum()) * shape.value_dim

@@ -67,6 +67,8 @@ class FormatTables:
         if not isinstance(fmt, LayerFormat):
             raise TypeError(f"format must be a LayerFormat, got {type(fmt).__name__}")
         device = torch.device(self.device)
+        if device.type == "cuda" and device.index is None:  # "cuda" is the current GPU, where pages land
+            device = torch.device("cuda", torch.cuda.current_device())
         lay = fmt.layout(self.value_dim)
         if lay.words_per_slot >= MAX_SLOT_WORDS:
             raise ValueError(f"a slot of {lay.words_per_slot} words is too large for the kernel's row table")
