@@ -47,12 +47,13 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stepquant.codecs import LayerFormat  # noqa: E402
 from stepquant.codecs.base import PIVOT_BITS  # noqa: E402
 from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
-from stepquant.kernels.decode import cuda, fused_packed_decode, naive_packed_decode  # noqa: E402
+from stepquant.codecs.packing import unpack  # noqa: E402
+from stepquant.kernels.decode import cuda, fused_decode, naive_packed_decode  # noqa: E402
 from stepquant.kernels.decode.fused import work_buffer  # noqa: E402
-from stepquant.packing import unpack  # noqa: E402
-from stepquant.pool import LayerPlan, PackedLayer  # noqa: E402
+from stepquant.pool import PackedLayer  # noqa: E402
 
 KEY_DIM = VALUE_DIM = 128
 MODELS = {
@@ -113,7 +114,7 @@ def make_layer(bits: torch.Tensor, spatial: str, num_slots: int, config: DualAxi
                seed: int = 0) -> PackedLayer:
     gen = torch.Generator().manual_seed(seed)
     w = torch.exp(0.5 * torch.randn(bits.shape, generator=gen))  # row-impact factors, log-normal
-    layer = PackedLayer(LayerPlan(bits, w, spatial, config), num_slots, VALUE_DIM, DEVICE)
+    layer = PackedLayer(LayerFormat(bits, w, spatial, config), num_slots, VALUE_DIM, DEVICE)
     fill_random(layer, seed)
     return layer
 
@@ -121,19 +122,19 @@ def make_layer(bits: torch.Tensor, spatial: str, num_slots: int, config: DualAxi
 def fill_random(layer: PackedLayer, seed: int) -> None:
     """Random codes, sane FP16 scales, finite FP16 pivots: a state the kernel can step forever."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    words = torch.randint(-(2**31), 2**31 - 1, layer.codes.shape, generator=gen, device=DEVICE,
+    words = torch.randint(-(2**31), 2**31 - 1, layer.pages.codes.shape, generator=gen, device=DEVICE,
                           dtype=torch.int64)
-    layer.codes.copy_(words.to(torch.int32))
+    layer.pages.codes.copy_(words.to(torch.int32))
     for scales in layer.tensors():
         if scales.dtype == torch.float16:
             scales.copy_(torch.rand(scales.shape, generator=gen, device=DEVICE) * 0.05 + 0.01)
-    pivot_rows = torch.nonzero(layer.row_bits.cpu() == PIVOT_BITS).flatten()
+    pivot_rows = torch.nonzero(layer.tables.row_bits.cpu() == PIVOT_BITS).flatten()
     if pivot_rows.numel():
         counts = layer.layout.row_words.to(torch.int64)[pivot_rows].tolist()
-        starts = layer.row_word_offset.cpu().to(torch.int64)[pivot_rows].tolist()
+        starts = layer.tables.row_word_offset.cpu().to(torch.int64)[pivot_rows].tolist()
         index = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
         values = torch.randn(layer.num_slots, index.numel() * 2, generator=gen, device=DEVICE) * 0.3
-        layer.codes[:, index.to(DEVICE)] = values.half().view(torch.int32)
+        layer.pages.codes[:, index.to(DEVICE)] = values.half().view(torch.int32)
 
 
 # ---------------------------------------------------------------- inputs and timing
@@ -330,7 +331,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 continue
             cuda.TUNING["SQ_MIN_BLOCKS"] = 1 if backend == "cuda1" else 2
             table = uniform if spatial == "absmax" else plan
-            slot_bytes = PackedLayer(LayerPlan(table, None, spatial), 1, VALUE_DIM).bytes_per_slot
+            slot_bytes = LayerFormat(table, None, spatial).bytes(VALUE_DIM)
             layer = make_layer(table, spatial, rotation_groups(max_batch * slot_bytes) * max_batch, config)
             for batch in args.batches:
                 inputs = token_inputs(batch, heads, key_heads, kda)
@@ -339,11 +340,13 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 if backend.startswith("cuda"):
                     if part != "fused":  # the split: the readout leaves u in work, the writeback reads it
                         kwargs["work"] = torch.zeros(batch, heads, VALUE_DIM, device=DEVICE)
-                    call = lambda s, layer=layer, x=inputs, kw=kwargs: cuda.packed_decode(layer, s, *x, **kw)
+                    fn = cuda.decode
                 else:
                     if part == "writeback":
-                        kwargs["work"] = work_buffer(layer, batch).zero_()
-                    call = lambda s, layer=layer, x=inputs, kw=kwargs: fused_packed_decode(layer, s, *x, **kw)
+                        kwargs["work"] = work_buffer(layer.tables, batch).zero_()
+                    fn = fused_decode
+                tensors = layer.tables, layer.pages
+                call = lambda s, fn=fn, t=tensors, x=inputs, kw=kwargs: fn(*t, s, *x, **kw)
                 groups = slot_groups(layer.num_slots // batch, batch)
                 # every part reads the slots and the token's inputs; readout writes y, writeback the slots
                 moved = input_bytes(*inputs) + batch * slot_bytes
@@ -370,20 +373,20 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
 def check(name: str, spec: dict) -> list[dict]:
     """Each kernel vs the torch reference on a small batch: relative RMS of y and of the new states."""
     heads, key_heads, kda = spec["heads"], spec["key_heads"], spec["kda"]
-    kernels = [("triton", EXACT_2, fused_packed_decode)]
+    kernels = [("triton", EXACT_2, fused_decode)]
     if DEVICE == "cuda" and cuda.nvcc_path() is not None:
-        kernels += [("cuda", EXACT_2, cuda.packed_decode), ("cuda", RECIPROCAL_1, cuda.packed_decode)]
+        kernels += [("cuda", EXACT_2, cuda.decode), ("cuda", RECIPROCAL_1, cuda.decode)]
     results = []
     for backend, config, fn in kernels:
         layer = make_layer(synthetic_plan(name, 6, heads), "dual_axis", 8, config)
-        twin = PackedLayer(layer.plan, 8, VALUE_DIM, DEVICE)
+        twin = PackedLayer(layer.format, 8, VALUE_DIM, DEVICE)
         for a, b in zip(twin.tensors(), layer.tensors(), strict=True):
             a.copy_(b)
         slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=DEVICE)
         inputs = token_inputs(4, heads, key_heads, kda, seed=1)
         y = torch.zeros(4, heads, VALUE_DIM, device=DEVICE)  # FP32 outputs: no BF16 rounding in the check
         y_ref = torch.zeros_like(y)
-        fn(layer, slots, *inputs, use_qk_l2norm=True, out=y)
+        fn(layer.tables, layer.pages, slots, *inputs, use_qk_l2norm=True, out=y)
         naive_packed_decode(twin, slots, *inputs, use_qk_l2norm=True, out=y_ref)
         rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
         index = torch.tensor([5, 0, 3])

@@ -18,9 +18,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stepquant.codecs import LayerFormat  # noqa: E402
 from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
 from stepquant.kernels.decode import cuda  # noqa: E402
-from stepquant.pool import LayerPlan, PackedLayer  # noqa: E402
+from stepquant.kernels.tables import FormatTables  # noqa: E402
 
 RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
 EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)  # the committed plans' quantizer
@@ -53,8 +54,8 @@ def main(argv=None) -> int:
     for spatial, quantizer, part, kda, debug in configs:
         cuda.TUNING["SQ_MIN_BLOCKS"] = 1 if debug == "1 CTA/SM" else 2
         bits = torch.full((1, 16), 6, dtype=torch.int8)
-        layer = PackedLayer(LayerPlan(bits, None, spatial, quantizer), 1, 128)
-        unique[cuda.defines_for(layer, part, kda, debug is True)] = None
+        tables = FormatTables(LayerFormat(bits, None, spatial, quantizer), 128)
+        unique[cuda.defines_for(tables, part, kda, debug is True)] = None
     cuda.TUNING["SQ_MIN_BLOCKS"] = 2
 
     def one(defines):

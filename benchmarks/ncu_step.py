@@ -30,9 +30,10 @@ def main() -> None:
     slots = torch.arange(batch, dtype=torch.int32, device="cuda")
     work = torch.zeros(batch, 48, 128, device="cuda")
     for _ in range(2):
-        y = cuda.packed_decode(layer, slots, *inputs, use_qk_l2norm=True, part="readout", work=work)
-        cuda.packed_decode(layer, slots, *inputs, use_qk_l2norm=True, out=y, part="writeback", work=work)
-        cuda.packed_decode(layer, slots, *inputs, use_qk_l2norm=True)
+        state = (layer.tables, layer.pages, slots)
+        y = cuda.decode(*state, *inputs, use_qk_l2norm=True, part="readout", work=work)
+        cuda.decode(*state, *inputs, use_qk_l2norm=True, out=y, part="writeback", work=work)
+        cuda.decode(*state, *inputs, use_qk_l2norm=True)
     torch.cuda.synchronize()
 
 

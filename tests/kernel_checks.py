@@ -1,4 +1,4 @@
-"""Shared helpers of the kernel tests (test_kernels.py: Triton, test_cuda_kernel.py: CUDA): plans, layers,
+"""Shared helpers of the kernel tests (test_kernels.py: Triton, test_cuda_kernel.py: CUDA): formats, layers,
 inputs, and the bit-exactness policy of docs/kernels.md as one check (:func:`check_against_codec`).
 
 Kept free of triton imports: test_kernels.py must switch the Triton interpreter on before triton loads.
@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import torch
 
+from stepquant.codecs import LayerFormat
 from stepquant.codecs.base import PIVOT_BITS, QState, round_to_codes
 from stepquant.codecs.dual_axis import DualAxisConfig, codes_for, scale_down
-from stepquant.packing import pack, unpack
-from stepquant.pool import LayerPlan, PackedLayer
+from stepquant.codecs.packing import pack, unpack
+from stepquant.pool import PackedLayer
 
 SCALE_RTOL = 2.0**-9  # two FP16 steps: refit sums in another order may move a scale by one step
 
@@ -37,8 +38,7 @@ def mixed_bits(num_heads: int, key_dim: int, choices: tuple[int, ...], seed: int
 def make_layer(bits, *, seed=0, spatial="dual_axis", num_slots=4, value_dim=32, device="cpu", **config):
     gen = torch.Generator().manual_seed(seed + 100)
     w = torch.rand(bits.shape, generator=gen) + 0.25
-    plan = LayerPlan(bits, w, spatial, DualAxisConfig(**config))
-    return PackedLayer(plan, num_slots, value_dim, device)
+    return PackedLayer(LayerFormat(bits, w, spatial, DualAxisConfig(**config)), num_slots, value_dim, device)
 
 
 def token_inputs(num_rows, heads, q_heads, key_dim, value_dim, kda, seed, device="cpu"):
@@ -52,7 +52,7 @@ def token_inputs(num_rows, heads, q_heads, key_dim, value_dim, kda, seed, device
 
 
 def clone_layer(layer: PackedLayer) -> PackedLayer:
-    twin = PackedLayer(layer.plan, layer.num_slots, layer.value_dim, layer.device)
+    twin = PackedLayer(layer.format, layer.num_slots, layer.value_dim, layer.device)
     for dst, src in zip(twin.tensors(), layer.tensors(), strict=True):
         dst.copy_(src)
     return twin
@@ -62,12 +62,12 @@ def requantize_with(layer: PackedLayer, x: torch.Tensor, row_scale: torch.Tensor
                     col_code: torch.Tensor | None) -> QState:
     """The codes the layer's codec gives X [n, H, K, V] with the kernel's row scales and the column scales
     the kernel's codes were computed against (dual_axis.codes_for; rowwise absmax: true division)."""
-    bits = layer.plan.bits.to(x.device).to(torch.int64)
+    bits = layer.format.bits.to(x.device).to(torch.int64)
     is_pivot = bits == PIVOT_BITS
     row_bits = torch.where(is_pivot, 8, bits)[None, :, :, None]
     r = row_scale.to(torch.float32)
     if col_code is not None:
-        config = layer.plan.config
+        config = layer.format.config
         codes = codes_for(scale_down(x, r[..., None], config), col_code, row_bits, config)
     else:
         codes = round_to_codes(x / r[..., None], row_bits, layer.grid)
@@ -75,7 +75,7 @@ def requantize_with(layer: PackedLayer, x: torch.Tensor, row_scale: torch.Tensor
     pivots = None
     if bool(is_pivot.any()):
         pivots = torch.where(is_pivot[None, :, :, None], x.clamp(-65504, 65504), 0).to(torch.float16)
-    return QState(codes, layer.plan.bits, row_scale, None, pivots, layer.grid)
+    return QState(codes, layer.format.bits, row_scale, None, pivots, layer.grid)
 
 
 def check_against_codec(kernel: PackedLayer, ref: PackedLayer, slots: list[int], x: torch.Tensor,
@@ -88,10 +88,10 @@ def check_against_codec(kernel: PackedLayer, ref: PackedLayer, slots: list[int],
     index = torch.tensor(slots)
     got, want = unpack(kernel.gather(index)), unpack(ref.gather(index))
     if exact_scales:
-        assert torch.equal(kernel.codes[index], ref.codes[index])
-        assert torch.equal(kernel.row_scale[index], ref.row_scale[index])
-        if ref.col_scale is not None:
-            assert torch.equal(kernel.col_scale[index], ref.col_scale[index])
+        assert torch.equal(kernel.pages.codes[index], ref.pages.codes[index])
+        assert torch.equal(kernel.pages.row_scale[index], ref.pages.row_scale[index])
+        if ref.pages.col_scale is not None:
+            assert torch.equal(kernel.pages.col_scale[index], ref.pages.col_scale[index])
         return
     # row scales come from an order-independent statistic (absmax) or an FP32 sum (rms)
     torch.testing.assert_close(got.row_scale.float(), want.row_scale.float(), rtol=SCALE_RTOL, atol=0)
@@ -100,21 +100,21 @@ def check_against_codec(kernel: PackedLayer, ref: PackedLayer, slots: list[int],
         assert 1.0 - near.float().mean().item() <= far_share, f"{int((~near).sum())} column scales differ"
     # codes exactly, given the kernel's X and scales
     again = requantize_with(kernel, x, got.row_scale, None if want.col_scale is None else col_code)
-    is_int = (kernel.plan.bits != PIVOT_BITS).to(x.device)[None, :, :, None]
+    is_int = (kernel.format.bits != PIVOT_BITS).to(x.device)[None, :, :, None]
     assert torch.equal(torch.where(is_int, got.codes, 0), again.codes)
     if again.pivots is not None:
         assert torch.equal(got.pivots.view(torch.int16), again.pivots.view(torch.int16))
     # and the words are exactly the packing of those codes and scales
     col = None if want.col_scale is None else got.col_scale
-    repacked = pack(QState(again.codes, kernel.plan.bits, got.row_scale, col, again.pivots, kernel.grid),
+    repacked = pack(QState(again.codes, kernel.format.bits, got.row_scale, col, again.pivots, kernel.grid),
                     kernel.layout)
-    assert torch.equal(kernel.codes[index], repacked.codes)
+    assert torch.equal(kernel.pages.codes[index], repacked.codes)
 
 
 def gpu_decode_case(decode, bits, key_heads, kda, num_rows, spatial="dual_axis", **config) -> None:
-    """One decode token on CUDA at a real shape (K = V = 128) by ``decode`` (a kernel's packed_decode)
-    against the torch reference: X and y by relative RMS, codes exact given the kernel's scales, the stored
-    state's error at most 2x the reference's own."""
+    """One decode token on CUDA at a real shape (K = V = 128) by ``decode`` (a kernel's tensor-level entry,
+    e.g. cuda.decode) against the torch reference: X and y by relative RMS, codes exact given the kernel's
+    scales, the stored state's error at most 2x the reference's own."""
     from stepquant.kernels.decode import naive_pack_states, naive_packed_decode
 
     heads = bits.shape[0]
@@ -126,7 +126,7 @@ def gpu_decode_case(decode, bits, key_heads, kda, num_rows, spatial="dual_axis",
     slots[0] = -1
     q, k, v, g, beta = token_inputs(num_rows, heads, key_heads, 128, 128, kda, seed=12, device="cuda")
     debug, debug_ref = {}, {}
-    y = decode(layer, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug)
+    y = decode(layer.tables, layer.pages, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug)
     y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug_ref)
     active = slots >= 0
     assert rel_rms(debug["x"][active], debug_ref["x"]) < 1e-5

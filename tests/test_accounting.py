@@ -219,9 +219,9 @@ def test_plan_bytes_counts_word_padding_and_checks_shapes():
     words = 5 * (5 + 5 + 17 + 9 + 3 + 3)
     assert state.analytical_bytes == 4 * words + 2 * 6 * (5 + 33)
     assert state.serving_bytes == 4 * words + 2 * 5 * (5 + 33)
-    with pytest.raises(ValueError, match="layer_bits has 1 layers, the model has 2"):
+    with pytest.raises(ValueError, match="got 1 layers, the model has 2"):
         plan_bytes([torch.tensor([3, 3, 3])], shape)
-    with pytest.raises(ValueError, match=r"layer_bits\[1\] must have shape \[H\]=\[3\]"):
+    with pytest.raises(ValueError, match=r"layers\[1\] must have shape \[H\]=\[3\]"):
         plan_bytes([torch.tensor([3, 3, 3]), torch.tensor([3, 3])], shape)
 
 
@@ -439,7 +439,7 @@ def test_cli_plan_counts_the_plans_own_format(capsys):
     pool's slot size, not the count with column scales that every plan used to get."""
     from stepquant.calibrate import Plan
     from stepquant.models import resolve
-    from stepquant.pool import PackedStatePool, plans_from
+    from stepquant.pool import PackedStatePool
 
     plans = assets.PLANS / "gdn"
     model_dir = str(resolve("gdn"))
@@ -453,7 +453,7 @@ def test_cli_plan_counts_the_plans_own_format(capsys):
         printed[variant] = plan_row["serving_bytes"]
     temporal, stepquant = Plan.load(plans / "temporal-6"), Plan.load(plans / "stepquant-6")
     assert not temporal.has_col_scale and stepquant.has_col_scale
-    pool = PackedStatePool(plans_from(temporal, spatial=temporal.spatial), 1, shape.value_dim)
+    pool = PackedStatePool(temporal.layer_formats(), 1, shape.value_dim)
     assert printed["temporal-6"] == pool.bytes_per_slot == temporal.accounting()["serving_bytes"]
     # the column scales: one FP16 per value column of every head that has integer rows (not a pivot head)
     scaled_heads = sum(int((bits != 16).any(dim=1).sum()) for bits in temporal.bits)
@@ -461,6 +461,33 @@ def test_cli_plan_counts_the_plans_own_format(capsys):
     with_columns = plan_bytes(list(temporal.bits), shape, has_col_scale=True).serving_bytes
     assert with_columns - printed["temporal-6"] == col_scale_bytes  # what the CLI overstated before
     assert printed["stepquant-6"] - printed["temporal-6"] == col_scale_bytes  # same budget, same pivots
+
+
+SHIPPED_PLANS = sorted(p.parent for p in assets.PLANS.glob("*/*/plan.json"))
+
+
+@pytest.mark.parametrize("directory", SHIPPED_PLANS, ids=lambda d: f"{d.parent.name}-{d.name}")
+def test_the_nominal_formulas_equal_the_layer_format_count_of_the_shipped_plans(directory):
+    """A plan's bytes are its LayerFormats' (the packed layout); the paper's nominal formulas give the same
+    numbers for the shipped plans, which spend their budget exactly (V = 128: no word padding)."""
+    from stepquant.calibrate import Plan
+
+    plan = Plan.load(directory)
+    state, accounting = plan.state_bytes(), plan.accounting()
+    formats = plan.layer_formats()
+    assert state.serving_bytes == sum(f.bytes(plan.value_dim) for f in formats)
+    assert state.analytical_bytes == sum(f.bytes(plan.value_dim, analytical=True) for f in formats)
+    assert accounting == json.loads((directory / "plan.json").read_text())["accounting"]  # as committed
+    assert accounting["slack_bits"] == 0
+    assert (accounting["nominal_analytical_bytes"], accounting["nominal_serving_bytes"]) == (
+        state.analytical_bytes, state.serving_bytes)
+    if plan.has_col_scale:  # stepquant (pivots) and spatial (none): the paper's STEPQuant count
+        nominal = stepquant_bytes(plan.shape, plan.budget_bits, plan.pivots)
+    elif plan.pivots == 0:  # temporal w/o pivots: rowwise absmax at b̄ bits on average
+        nominal = int_rowwise_bytes(plan.shape, plan.budget_bits)
+    else:
+        return  # temporal (pivots, no column scales): no formula of the paper; the accounting above
+    assert (nominal.analytical_bytes, nominal.serving_bytes) == (state.analytical_bytes, state.serving_bytes)
 
 
 @pytest.mark.parametrize(

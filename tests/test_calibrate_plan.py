@@ -267,7 +267,6 @@ def test_plan_pins_its_quantizer(saved_plans, tmp_path, capsys):
     from stepquant.calibrate.quantizer import quantizer_to_json
     from stepquant.codecs import Grid
     from stepquant.codecs.dual_axis import DualAxisConfig
-    from stepquant.pool import plans_from
 
     # a new plan records the quantizer its statistics were measured with; its codecs and pool layers run it
     midtread = DualAxisConfig(grid=Grid.MIDTREAD, refit_iters=1)
@@ -278,9 +277,9 @@ def test_plan_pins_its_quantizer(saved_plans, tmp_path, capsys):
     loaded = Plan.load(plan.save(tmp_path / "midtread"))
     assert json.loads((tmp_path / "midtread" / PLAN_JSON).read_text())["quantizer"]["grid"] == "midtread"
     assert loaded.quantizer == midtread and loaded.codec(3).config == midtread
-    assert all(layer.config == midtread and layer.spatial == "dual_axis" for layer in plans_from(loaded))
+    assert all(layer.config == midtread and layer.spatial == "dual_axis" for layer in loaded.layer_formats())
     temporal = Plan.load(saved_plans[("kda", "temporal")])
-    assert all(layer.spatial == "absmax" for layer in plans_from(temporal))  # the plan's own format
+    assert all(layer.spatial == "absmax" for layer in temporal.layer_formats())  # the plan's own format
     states = torch.randn(1, plan.num_heads, 128, 128)
     assert loaded.codec(0).encode(states).grid is Grid.MIDTREAD
     # a dual-axis plan refuses a quantizer its distortion table was not measured with

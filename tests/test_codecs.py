@@ -7,7 +7,6 @@ references; storage counts against exact formulas and the paper's byte counts.
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from stepquant.codecs import (
     DualAxisCodec,
     DualAxisConfig,
     Grid,
+    LayerFormat,
     MixedCodec,
     QState,
     UniformCodec,
@@ -521,12 +521,26 @@ def test_mixed_heads_plain_refit_trades_high_bit_precision_for_total_error():
     assert torch.equal(a.codes, b.codes) and torch.equal(a.col_scale, b.col_scale)
 
 
-def test_mixed_from_plan_object():
-    plan = SimpleNamespace(bits=[torch.full((2, 4), 4), torch.full((2, 4), 6)], w=[None, torch.ones(2, 4)])
-    codec = MixedCodec.from_plan(plan, 1, spatial="absmax")
-    assert codec.spatial == "absmax" and bool((codec.bits == 6).all())
-    with pytest.raises(TypeError, match="plan must have per-layer bits"):
-        MixedCodec.from_plan(SimpleNamespace(bits=[]), 0)
+def test_layer_format_is_validated_once_and_builds_its_parts_once():
+    w = torch.rand(2, 4, generator=torch.Generator().manual_seed(0)) + 0.5
+    fmt = LayerFormat(torch.tensor([[4, 4, 4, 4], [6, 16, 6, 2]]), w, "absmax")
+    codec = fmt.codec()
+    assert codec is fmt.codec() and fmt.layout(24) is fmt.layout(24)  # built once
+    assert isinstance(codec, MixedCodec) and codec.spatial == "absmax" and codec.bits is fmt.bits
+    assert fmt.bits.dtype == torch.int8 and fmt.grid is Grid.MIDTREAD and not fmt.has_col_scale
+    assert fmt.bytes(24) == fmt.layout(24).bytes_per_slot == codec.storage_bits(2, 4, 24) // 8
+    assert fmt.bytes(24, analytical=True) == fmt.layout(24).analytical_bytes
+    again = MixedCodec(fmt.bits, w, spatial="absmax")  # the public constructor validates; same codec
+    x = torch.randn(1, 2, 4, 24)
+    assert torch.equal(again.encode(x).codes, codec.encode(x).codes)
+    with pytest.raises(ValueError, match="spatial"):
+        LayerFormat(fmt.bits, None, "nope")
+    with pytest.raises(ValueError, match=r"values must be in 2\.\.8 or 16"):
+        LayerFormat(torch.tensor([[4, 9]]))
+    with pytest.raises(ValueError, match="finite and > 0"):
+        LayerFormat(torch.tensor([[4, 4]]), torch.tensor([[1.0, 0.0]]))
+    with pytest.raises(TypeError, match="DualAxisConfig"):
+        LayerFormat(fmt.bits, config={"grid": "midrise"})
 
 
 # ------------------------------------------------------------------------------------------ storage
@@ -544,7 +558,9 @@ def test_storage_bits_exact_small_config():
         == 3 * (140 + 192)
     )
     bits = torch.tensor([[16] * 5, [4] * 5, [2, 3, 16, 8, 6]])
-    codes = (80 + 20 + 35) * 7  # pivot rows count 16 bits per value
+    # packed codes (docs/format.md): each plane of a row of 7 values in whole int32 words: 16 bits -> 4
+    # words (a pivot row), 8 -> 2, 4 -> 1, 2 -> 1, 1 -> 1; so 3 = 2 + 1 -> 2 words and 6 = 4 + 2 -> 2
+    codes = 32 * (5 * 4 + 5 * 1 + (1 + 2 + 4 + 2 + 2))
     dual, absmax = MixedCodec(bits), MixedCodec(bits, spatial="absmax")
     assert dual.storage_bits(h, k, v) == codes + 2 * 16 * (5 + 7)  # the pivot head carries no scales
     assert dual.storage_bits(h, k, v, analytical=True) == codes + 3 * 16 * (5 + 7)

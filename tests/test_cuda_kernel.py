@@ -25,8 +25,8 @@ from kernel_checks import (
 )
 
 from stepquant.codecs.base import PIVOT_BITS
+from stepquant.codecs.packing import unpack
 from stepquant.kernels.decode import cuda, naive_pack_states, naive_packed_decode
-from stepquant.packing import unpack
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="the CPU emulation build needs a C++20 compiler")
@@ -72,7 +72,7 @@ def _layer(shape: str, config: str, num_slots: int, device="cpu", spatial="dual_
 def test_pack_matches_codec(shape, config):
     kernel, _ = _layer(shape, config, num_slots=4)
     ref = clone_layer(kernel)
-    kernel.codes.fill_(-1)  # poison: every word and scale of a packed slot must be written
+    kernel.pages.codes.fill_(-1)  # poison: every word and scale of a packed slot must be written
     for scales in kernel.tensors():
         if scales.dtype == torch.float16:
             scales.fill_(float("nan"))
@@ -81,11 +81,11 @@ def test_pack_matches_codec(shape, config):
     x[0, 0, 1] = 0.0  # an all-zero row: its scales clamp to 2^-14
     x[1, 0, 2, 5] = 1e6  # an outlier
     debug = {}
-    cuda.pack_states(kernel, slots, x, debug=debug)
+    cuda.pack(kernel.tables, kernel.pages, slots, x, debug=debug)
     naive_pack_states(ref, slots, x)
     assert torch.equal(debug["x"], x)
     check_against_codec(kernel, ref, slots.tolist(), x, debug["c"], exact_scales=config in EXACT_SCALES)
-    assert bool((kernel.codes[[1, 3]] == -1).all()), "slots nobody packed must stay untouched"
+    assert bool((kernel.pages.codes[[1, 3]] == -1).all()), "slots nobody packed must stay untouched"
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
@@ -103,7 +103,7 @@ def test_decode_matches_reference(shape, config, kda):
     q, k, v, g, beta = token_inputs(3, heads, q_heads, key_dim, 128, kda, seed=5)
     y = torch.full((3, heads, 128), float("nan"))
     debug, debug_ref = {}, {}
-    cuda.packed_decode(kernel, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, debug=debug)
+    cuda.decode(kernel.tables, kernel.pages, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, debug=debug)
     y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug_ref)
     active = slots >= 0
     assert torch.isnan(y[1]).all(), "a skipped row's output must stay untouched"
@@ -112,7 +112,7 @@ def test_decode_matches_reference(shape, config, kda):
     for now, then in zip(kernel.tensors(), before, strict=True):
         assert torch.equal(now[[0, 2, 3]], then[[0, 2, 3]])
     # with two refits a code on a rounding tie of the first (summation order) moves the second refit
-    far_share = 0.01 if kernel.plan.config.refit_iters > 1 else 0.0
+    far_share = 0.01 if kernel.format.config.refit_iters > 1 else 0.0
     check_against_codec(kernel, ref, slots[active].tolist(), debug["x"][active], debug["c"][active],
                         exact_scales=False, far_share=far_share)
     index = slots[active].to(torch.int64)
@@ -129,9 +129,9 @@ def test_rowwise_absmax_decode(kda):
     ref = clone_layer(kernel)
     q, k, v, g, beta = token_inputs(2, 4, q_heads, 112, 128, kda, seed=7)
     debug = {}
-    y = cuda.packed_decode(kernel, slots, q, k, v, g, beta, debug=debug)
+    y = cuda.decode(kernel.tables, kernel.pages, slots, q, k, v, g, beta, debug=debug)
     y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta)
-    assert kernel.col_scale is None
+    assert kernel.pages.col_scale is None
     assert rel_rms(y, y_ref) < 1e-5
     check_against_codec(kernel, ref, slots.tolist(), debug["x"], None, exact_scales=False)
 
@@ -145,7 +145,8 @@ def test_bf16_inputs_and_output_are_read_and_written_directly():
     q, k, v, g, beta = (t.bfloat16() for t in token_inputs(2, 4, q_heads, 48, 128, False, seed=9))
     out = torch.full((2, 4, 128), float("nan"), dtype=torch.bfloat16)
     debug, debug_ref = {}, {}
-    y = cuda.packed_decode(kernel, slots, q, k, v, g, beta, use_qk_l2norm=True, out=out, debug=debug)
+    y = cuda.decode(kernel.tables, kernel.pages, slots, q, k, v, g, beta, use_qk_l2norm=True, out=out,
+                    debug=debug)
     y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta, use_qk_l2norm=True, debug=debug_ref,
                                 out=torch.zeros(2, 4, 128))
     assert y is out and out.dtype == torch.bfloat16
@@ -159,31 +160,32 @@ def test_split_readout_then_writeback():
     split = clone_layer(fused)
     slots = torch.tensor([1, -1, 2], dtype=torch.int32)
     q, k, v, g, beta = token_inputs(3, 4, q_heads, 112, 128, True, seed=15)
-    y_fused = cuda.packed_decode(fused, slots, q, k, v, g, beta, use_qk_l2norm=True)
+    y_fused = cuda.decode(fused.tables, fused.pages, slots, q, k, v, g, beta, use_qk_l2norm=True)
     before = [t.clone() for t in split.tensors()]
     work = torch.zeros(3, 4, 128)
     y = torch.full((3, 4, 128), float("nan"))
-    cuda.packed_decode(split, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, part="readout", work=work)
+    tensors = split.tables, split.pages
+    cuda.decode(*tensors, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, part="readout", work=work)
     assert all(torch.equal(a, b) for a, b in zip(before, split.tensors(), strict=True)), "readout wrote"
     assert torch.equal(y[[0, 2]], y_fused[[0, 2]]) and torch.isnan(y[1]).all()
     y_before = y.clone()
-    cuda.packed_decode(split, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, part="writeback", work=work)
+    cuda.decode(*tensors, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y, part="writeback", work=work)
     assert torch.equal(y[[0, 2]], y_before[[0, 2]])
     # the writeback from the readout's u stores exactly what the fused step stores
     assert all(torch.equal(a, b) for a, b in zip(fused.tensors(), split.tensors(), strict=True))
     with pytest.raises(ValueError, match="work buffer"):
-        cuda.packed_decode(split, slots, q, k, v, g, beta, part="writeback")
+        cuda.decode(split.tables, split.pages, slots, q, k, v, g, beta, part="writeback")
 
 
 def test_rejects_shapes_it_does_not_serve():
     layer = make_layer(torch.full((2, 16), 6, dtype=torch.int8), value_dim=64, num_slots=2)
     q, k, v, g, beta = token_inputs(2, 2, 2, 16, 64, False, seed=1)
     with pytest.raises(ValueError, match="V = 128"):
-        cuda.packed_decode(layer, torch.tensor([0, 1], dtype=torch.int32), q, k, v, g, beta)
-    assert not cuda.supported(layer)
+        cuda.decode(layer.tables, layer.pages, torch.tensor([0, 1], dtype=torch.int32), q, k, v, g, beta)
+    assert not cuda.supported(layer.tables)
     odd = make_layer(torch.full((2, 40), 6, dtype=torch.int8), value_dim=128, num_slots=2)
     with pytest.raises(ValueError, match="multiple of 16"):
-        cuda.pack_states(odd, torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2, 2, 40, 128))
+        cuda.pack(odd.tables, odd.pages, torch.tensor([0, 1], dtype=torch.int32), torch.zeros(2, 2, 40, 128))
 
 
 # ---------------------------------------------------------------- GPU: real shapes (run on the H200)
@@ -192,7 +194,7 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available() or not cuda.nvcc_path(), 
 
 
 def _gpu_case(bits, key_heads, kda, num_rows, spatial="dual_axis", **config):
-    gpu_decode_case(cuda.packed_decode, bits, key_heads, kda, num_rows, spatial, **config)
+    gpu_decode_case(cuda.decode, bits, key_heads, kda, num_rows, spatial, **config)
 
 
 QUANTIZERS = {"reciprocal-refit1": CONFIGS["reciprocal-refit1"], "exact-refit2": dict(refit_iters=2)}
@@ -228,7 +230,7 @@ def test_gpu_rowwise_absmax_and_pack():
     ref = clone_layer(layer)
     slots = torch.arange(64, dtype=torch.int32, device="cuda")
     x = torch.randn(64, 32, 128, 128, device="cuda")
-    cuda.pack_states(layer, slots, x)
+    cuda.pack(layer.tables, layer.pages, slots, x)
     naive_pack_states(ref, slots, x)
     check_against_codec(layer, ref, slots.tolist(), x, None, exact_scales=True)
 
@@ -250,7 +252,7 @@ def test_gpu_split_step_orders_writebacks():
     side = torch.cuda.Stream()
     for t in range(4):
         q, k, v, g, beta = token_inputs(512, 48, 16, 128, 128, False, seed=30 + t, device="cuda")
-        y_fused = cuda.packed_decode(fused, slots, q, k, v, g, beta, use_qk_l2norm=True)
+        y_fused = cuda.decode(fused.tables, fused.pages, slots, q, k, v, g, beta, use_qk_l2norm=True)
         y_split = decode_step_split(split, slots, q, k, v, g, beta, stream=side, use_qk_l2norm=True)
         assert torch.equal(y_split, y_fused), f"token {t}: the readout read a slot before its writeback"
     assert split.pending is not None
@@ -267,6 +269,6 @@ def test_nvcc_build_exports_the_entry_points(tmp_path, monkeypatch):
     monkeypatch.setenv("STEPQUANT_KERNEL_CACHE", str(tmp_path))
     layer = make_layer(torch.full((2, 16), 6, dtype=torch.int8), value_dim=128, num_slots=1,
                        **CONFIGS["reciprocal-refit1"])
-    lib = ctypes.CDLL(str(cuda.build(cuda.defines_for(layer, "fused", kda=False), "90")))
+    lib = ctypes.CDLL(str(cuda.build(cuda.defines_for(layer.tables, "fused", kda=False), "90")))
     assert lib.sq_params_size() == ctypes.sizeof(cuda._Params)
     assert lib.sq_packed_step and lib.sq_error_string

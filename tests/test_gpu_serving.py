@@ -16,11 +16,12 @@ import pytest
 import torch
 
 from stepquant.calibrate import Plan
+from stepquant.codecs import LayerFormat
+from stepquant.codecs.packing import unpack
 from stepquant.kernels import decode as decode_kernels
 from stepquant.kernels.decode import naive_pack_states
 from stepquant.kernels.prefill import _fla_chunk, prefill_packed
-from stepquant.packing import unpack
-from stepquant.pool import LayerPlan, PackedLayer
+from stepquant.pool import PackedLayer
 from stepquant.recurrence import gated_delta_rule
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -40,7 +41,7 @@ def test_prefill_with_fla_matches_the_torch_recurrence(kda):
     gen = torch.Generator().manual_seed(21)
     bits = torch.tensor([4, 5, 6, 8], dtype=torch.int8)[:, None].expand(heads, dim).clone()
     bits[1, :3] = 16  # FP16 pivot rows
-    layer = PackedLayer(LayerPlan(bits, torch.ones(heads, dim)), 4, dim, "cuda")
+    layer = PackedLayer(LayerFormat(bits, torch.ones(heads, dim)), 4, dim, "cuda")
     slots = torch.tensor([3, -1, 0], dtype=torch.int32, device="cuda")
     q, k = (torch.randn(3, length, key_heads, dim, generator=gen).cuda() for _ in range(2))
     v = torch.randn(3, length, heads, dim, generator=gen).cuda()
@@ -53,7 +54,7 @@ def test_prefill_with_fla_matches_the_torch_recurrence(kda):
     o_ref, final = gated_delta_rule(*rows, None, use_qk_l2norm=True)
     assert not o[1].any()  # the skipped row
     err_o = rel_rms(o[active], o_ref)
-    ref_layer = PackedLayer(layer.plan, 4, dim, "cuda")
+    ref_layer = PackedLayer(layer.format, 4, dim, "cuda")
     naive_pack_states(ref_layer, slots[active], final)
     index = slots[active].long()
     stored = unpack(layer.gather(index)).dequantize()
@@ -68,7 +69,7 @@ def test_prefill_with_fla_matches_the_torch_recurrence(kda):
     o2 = prefill_packed(layer, slots, q, k, v, g, beta, use_qk_l2norm=True, use_fla=True)
     o2_ref, _ = gated_delta_rule(*rows, stored, use_qk_l2norm=True)
     assert rel_rms(o2[active], o2_ref) < 5e-3
-    assert not layer.codes[[1, 2]].any()  # slots nobody used
+    assert not layer.pages.codes[[1, 2]].any()  # slots nobody used
 
 
 # ---------------------------------------------------------------- PackedStateCache on CUDA

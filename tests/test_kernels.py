@@ -34,6 +34,7 @@ from kernel_checks import make_layer as _make_layer
 from kernel_checks import token_inputs as _token_inputs
 
 from stepquant.codecs.base import PIVOT_BITS
+from stepquant.codecs.packing import pack, unpack
 from stepquant.kernels.decode import (
     decode_step_packed,
     fused_pack_states,
@@ -41,9 +42,8 @@ from stepquant.kernels.decode import (
     naive_pack_states,
     naive_packed_decode,
 )
-from stepquant.kernels.decode.fused import work_buffer
+from stepquant.kernels.decode.fused import fused_decode, work_buffer
 from stepquant.kernels.prefill import prefill_packed
-from stepquant.packing import pack, unpack
 from stepquant.recurrence import gated_delta_rule
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -90,7 +90,7 @@ def test_pack_kernel_matches_codec(shape, config):
     ref = clone_layer(kernel)
     # poison: every scale the kernel must write, and every word when rows have no padding bits
     poison = -1 if value_dim % 32 == 0 else 0
-    kernel.codes.fill_(poison)
+    kernel.pages.codes.fill_(poison)
     for scales in kernel.tensors():
         if scales.dtype == torch.float16:
             scales.fill_(float("nan"))
@@ -101,11 +101,12 @@ def test_pack_kernel_matches_codec(shape, config):
     debug = {}
     fused_pack_states(kernel, slots, x, debug=debug)
     naive_pack_states(ref, slots, x)
-    cfg = kernel.plan.config
+    cfg = kernel.format.config
     exact = cfg.refit_iters == 0 and cfg.row_stat == "absmax"
     assert torch.equal(debug["x"], x)
     check_against_codec(kernel, ref, slots.tolist(), x, debug["c"], exact_scales=exact)
-    assert bool((kernel.codes[0] == poison).all() and (kernel.codes[-1] == poison).all())  # untouched
+    codes = kernel.pages.codes
+    assert bool((codes[0] == poison).all() and (codes[-1] == poison).all())  # untouched
 
 
 @needs_triton_device
@@ -122,7 +123,7 @@ def test_decode_kernel_matches_reference(shape, config, kda):
     start = torch.randn(kernel.num_slots, heads, key_dim, value_dim, generator=gen)
     naive_pack_states(kernel, all_slots, start.to(DEVICE))
     ref = clone_layer(kernel)
-    before = kernel.codes.clone(), kernel.row_scale.clone()
+    before = kernel.pages.codes.clone(), kernel.pages.row_scale.clone()
     slots = torch.arange(num_rows, dtype=torch.int32) * 2  # gaps: slots 1, 3, .. stay untouched
     slots[1] = -1  # a skipped batch row
     active = [i for i in range(num_rows) if slots[i] >= 0]
@@ -140,8 +141,8 @@ def test_decode_kernel_matches_reference(shape, config, kda):
     assert rel_rms(y_kernel[active], y_ref[active]) < 1e-5
     # pages of slots nobody decoded are untouched
     untouched = [s for s in range(kernel.num_slots) if s not in slots.tolist()]
-    assert torch.equal(kernel.codes[untouched], before[0][untouched])
-    assert torch.equal(kernel.row_scale[untouched], before[1][untouched])
+    assert torch.equal(kernel.pages.codes[untouched], before[0][untouched])
+    assert torch.equal(kernel.pages.row_scale[untouched], before[1][untouched])
     # exact codes given the kernel's own X and scales
     check_against_codec(kernel, ref, slots[active].tolist(), x_kernel, debug["c"][active], exact_scales=False)
     # quantization error within 2x of the reference's
@@ -164,7 +165,7 @@ def test_rowwise_absmax_decode(kda):
     y = fused_packed_decode(kernel, slots, q, k, v, g, beta, debug=debug)
     y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta)
     assert rel_rms(y, y_ref) < 1e-5
-    assert kernel.col_scale is None
+    assert kernel.pages.col_scale is None
     check_against_codec(kernel, ref, slots.tolist(), debug["x"], None, exact_scales=False)
 
 
@@ -191,7 +192,7 @@ def test_split_readout_then_writeback_equals_fused(kda):
     assert all(torch.equal(a, b) for a, b in zip(fused.tensors(), split.tensors(), strict=True))
     # the paper's split: the writeback starts from the u the readout left in the work buffer
     paired = clone_layer(before_layer)
-    work = work_buffer(paired, 3)
+    work = work_buffer(paired.tables, 3)
     y_paired = fused_packed_decode(paired, slots, q, k, v, g, beta, use_qk_l2norm=True, part="readout",
                                    work=work)
     fused_packed_decode(paired, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y_paired, part="writeback",
@@ -200,7 +201,7 @@ def test_split_readout_then_writeback_equals_fused(kda):
     index = torch.tensor([1, 2])
     got, want = unpack(paired.gather(index)).dequantize(), unpack(fused.gather(index)).dequantize()
     assert rel_rms(got, want) < 1e-4  # equal up to codes on rounding ties
-    assert torch.equal(paired.codes[0], fused.codes[0])  # the skipped row's slot is untouched
+    assert torch.equal(paired.pages.codes[0], fused.pages.codes[0])  # the skipped row's slot is untouched
     with pytest.raises(ValueError, match="part"):
         fused_packed_decode(split, slots, q, k, v, g, beta, part="both")
 
@@ -245,13 +246,13 @@ def test_prefill_packs_the_boundary_state(kda):
     o = prefill_packed(layer, slots, q, k, v, g, beta, use_qk_l2norm=True, from_state=False)
     o_ref, final = gated_delta_rule(q, k, v, g, beta, None, use_qk_l2norm=True)
     torch.testing.assert_close(o, o_ref)
-    want = pack(layer.plan.codec().encode(final), layer.layout)
-    assert torch.equal(layer.codes[[2, 0]], want.codes)
+    want = pack(layer.format.codec().encode(final), layer.layout)
+    assert torch.equal(layer.pages.codes[[2, 0]], want.codes)
     # a second chunk continues from the stored (quantized) state
     start = unpack(layer.gather(torch.tensor([2, 0]))).dequantize()
     o2 = prefill_packed(layer, slots, q, k, v, g, beta, use_qk_l2norm=True)
     torch.testing.assert_close(o2, gated_delta_rule(q, k, v, g, beta, start, use_qk_l2norm=True)[0])
-    assert not layer.codes[1].any()
+    assert not layer.pages.codes[1].any()
 
 
 def test_prefill_rejects_bad_shapes():
@@ -276,7 +277,7 @@ def test_prefill_rejects_bad_shapes():
 # ---------------------------------------------------------------- GPU: real shapes (run on the H200)
 
 def _gpu_case(heads, key_heads, kda, num_rows, bits, spatial="dual_axis"):
-    gpu_decode_case(fused_packed_decode, bits, key_heads, kda, num_rows, spatial)
+    gpu_decode_case(fused_decode, bits, key_heads, kda, num_rows, spatial)
 
 
 @pytest.mark.gpu

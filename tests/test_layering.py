@@ -4,7 +4,7 @@ Every module under stepquant/ is parsed with ast (imports inside functions count
 imported stepquant module and per package above it that Python imports on the way. The layers, bottom
 to top:
 
-    0  formats and primitives   stepquant (the package), codecs, packing, recurrence
+    0  formats and primitives   stepquant (the package), codecs (with the packed layout), recurrence
     1  families                 families
     2  shipped assets           models, data, assets
     3  calibration, serving, accounting   calibrate, pool, kernels, integrations, accounting
@@ -25,7 +25,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "stepquant"
 LAYERS = {
-    "stepquant": 0, "stepquant.codecs": 0, "stepquant.packing": 0, "stepquant.recurrence": 0,
+    "stepquant": 0, "stepquant.codecs": 0, "stepquant.recurrence": 0,
     "stepquant.families": 1,
     "stepquant.models": 2, "stepquant.data": 2, "stepquant.assets": 2,
     "stepquant.calibrate": 3, "stepquant.pool": 3, "stepquant.kernels": 3, "stepquant.integrations": 3,

@@ -1,4 +1,4 @@
-"""Tests for stepquant.packing: the byte layout of docs/format.md, pinned by hand-written golden words,
+"""Tests for stepquant.codecs.packing: the byte layout of docs/format.md, pinned by hand-written golden words,
 and exact pack -> unpack round trips over awkward shapes and mixed bit widths (hypothesis)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from stepquant.codecs.base import Grid, QState
-from stepquant.packing import (
+from stepquant.codecs.packing import (
     PLANE_WIDTHS,
     PackedLayout,
     PackedState,

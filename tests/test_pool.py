@@ -1,4 +1,5 @@
-"""Tests for stepquant.pool: slot lifecycle, tensor-parallel sharding and exact byte accounting."""
+"""Tests for stepquant.pool and the layer format it is built from: slot lifecycle, tensor-parallel sharding,
+exact byte accounting, and the kernels' tables of a layer."""
 
 from __future__ import annotations
 
@@ -6,25 +7,26 @@ import pytest
 import torch
 
 from stepquant.accounting import Mixer, ModelShape, plan_bytes
+from stepquant.codecs import LayerFormat
 from stepquant.codecs.base import PIVOT_BITS
 from stepquant.codecs.dual_axis import DualAxisConfig
-from stepquant.packing import pack, unpack
-from stepquant.pool import LayerPlan, PackedLayer, PackedStatePool, plans_from
+from stepquant.codecs.packing import pack, unpack
+from stepquant.pool import PackedLayer, PackedStatePool
 
 
-def gdn_plan(heads=4, key_dim=16, bits=(5, 6, 7, 8), pivot_head=True, seed=0) -> LayerPlan:
+def gdn_plan(heads=4, key_dim=16, bits=(5, 6, 7, 8), pivot_head=True, seed=0) -> LayerFormat:
     table = torch.tensor(bits * heads)[:heads, None].expand(heads, key_dim).clone().to(torch.int8)
     if pivot_head:
         table[-1] = PIVOT_BITS
     w = torch.rand(heads, key_dim, generator=torch.Generator().manual_seed(seed)) + 0.5
-    return LayerPlan(table, w)
+    return LayerFormat(table, w)
 
 
-def kda_plan(heads=4, key_dim=16, seed=1) -> LayerPlan:
+def kda_plan(heads=4, key_dim=16, seed=1) -> LayerFormat:
     gen = torch.Generator().manual_seed(seed)
     table = torch.randint(4, 9, (heads, key_dim), generator=gen).to(torch.int8)
     table[1, 3] = PIVOT_BITS
-    return LayerPlan(table, None, "dual_axis", DualAxisConfig(refit_iters=0))
+    return LayerFormat(table, None, "dual_axis", DualAxisConfig(refit_iters=0))
 
 
 def test_alloc_free_reuse_zeroes_slots():
@@ -69,8 +71,8 @@ def test_bytes_held_match_accounting():
     allocated = sum(t.numel() * t.element_size() for layer in pool.layers for t in layer.tensors())
     assert allocated == pool.bytes_held  # no hidden padding
     # rowwise absmax has no column scales
-    absmax = PackedLayer(LayerPlan(plans[1].bits, None, "absmax"), 2, 128)
-    assert absmax.col_scale is None
+    absmax = PackedLayer(LayerFormat(plans[1].bits, None, "absmax"), 2, 128)
+    assert absmax.pages.col_scale is None
     assert absmax.bytes_per_slot == plan_bytes([plans[1].bits], shape.__class__(
         "toy1", Mixer.GDN, 1, 8, 32, 128), has_col_scale=False).serving_bytes
 
@@ -81,7 +83,7 @@ def test_tensor_parallel_shards_heads():
     for rank, pool in enumerate(shards):
         layer = pool.layers[0]
         assert layer.num_heads == 2
-        assert torch.equal(layer.plan.bits, plan.bits[2 * rank: 2 * rank + 2])
+        assert torch.equal(layer.format.bits, plan.bits[2 * rank: 2 * rank + 2])
     total = sum(pool.bytes_per_slot for pool in shards)
     whole = PackedStatePool([plan], 2, 16).bytes_per_slot
     assert total == whole  # scale slots go with their heads
@@ -99,23 +101,56 @@ def test_gather_scatter_round_trip_and_tables():
     layer.scatter([2, 0], pack(encoded, layer.layout))
     back = unpack(layer.gather([2, 0]))
     torch.testing.assert_close(back.dequantize(), encoded.dequantize(), rtol=0, atol=0)
-    assert not layer.codes[1].any()
+    assert not layer.pages.codes[1].any()
     # tables the kernel reads
-    assert layer.row_bits.dtype == torch.int32 and layer.row_bits.numel() == 4 * 16
-    assert layer.planes == 16 | 4 | 2 | 1  # heads 5 = 4+1, 6 = 4+2, 7 = 4+2+1 and an FP16 pivot head
-    assert float(layer.row_gain[-1]) == 0.0 and float(layer.row_w2[-1]) == 0.0  # pivot rows
+    assert layer.tables.row_bits.dtype == torch.int32 and layer.tables.row_bits.numel() == 4 * 16
+    assert layer.tables.planes == 16 | 4 | 2 | 1  # heads 5 = 4+1, 6 = 4+2, 7 = 4+2+1 and an FP16 pivot head
+    assert float(layer.tables.row_gain[-1]) == 0.0 and float(layer.tables.row_w2[-1]) == 0.0  # pivot rows
     with pytest.raises(IndexError):
         layer.gather([3])
 
 
-def test_plans_from_calibration_object():
-    class Plan:
-        bits = [gdn_plan().bits, kda_plan().bits]
-        w = [gdn_plan().w, None]
+def test_the_cpu_decode_path_uses_the_formats_codec(monkeypatch):
+    # one codec per layer, built once: the torch reference does not build (and validate) one per token
+    from stepquant.codecs.mixed import MixedCodec
+    from stepquant.kernels.decode import naive_pack_states, naive_packed_decode
 
-    layers = plans_from(Plan())
-    assert len(layers) == 2 and layers[1].w is None
-    with pytest.raises(TypeError):
-        plans_from(object())
-    with pytest.raises(ValueError, match="spatial"):
-        LayerPlan(gdn_plan().bits, None, "nope")
+    layer = PackedLayer(kda_plan(), 2, 16)
+    naive_pack_states(layer, torch.tensor([0, 1]), torch.randn(2, 4, 16, 16))
+    monkeypatch.setattr(MixedCodec, "__post_init__", lambda self: pytest.fail("a MixedCodec was validated"))
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 4, 16, generator=gen), torch.randn(2, 4, 16, generator=gen)
+    v, g, beta = torch.randn(2, 4, 16, generator=gen), -torch.rand(2, 4, generator=gen), torch.rand(2, 4)
+    for _ in range(2):
+        naive_packed_decode(layer, torch.tensor([1, 0]), q, k, v, g, beta)
+
+
+def test_an_engines_own_pages_drive_the_kernels():
+    # the kernels take tables + pages + slots: pages allocated outside the pool (more slots, another
+    # order) decode exactly as the pool's layer does
+    from stepquant.kernels.decode import decode_step, decode_step_packed, pack, pack_states
+    from stepquant.kernels.tables import FormatTables, Pages, check_pages
+
+    fmt = kda_plan()
+    layer = PackedLayer(fmt, 2, 16)
+    tables = FormatTables(fmt, 16)
+    pages = Pages(torch.zeros(5, tables.words_per_slot, dtype=torch.int32),
+                  torch.zeros(5, tables.num_scaled_heads, 16, dtype=torch.float16),
+                  torch.zeros(5, tables.num_scaled_heads, 16, dtype=torch.float16))
+    states = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(2))
+    pack_states(layer, torch.tensor([0, 1]), states)
+    pack(tables, pages, torch.tensor([4, 2]), states)
+    gen = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 2, 16, generator=gen), torch.randn(2, 2, 16, generator=gen)
+    v, g, beta = torch.randn(2, 4, 16, generator=gen), -torch.rand(2, 4, 16, generator=gen), torch.rand(2, 4)
+    y = decode_step_packed(layer, torch.tensor([0, 1], dtype=torch.int32), q, k, v, g, beta)
+    y_own = decode_step(tables, pages, torch.tensor([4, 2], dtype=torch.int32), q, k, v, g, beta)
+    assert torch.equal(y, y_own)
+    for ours, theirs in zip(layer.tensors(), pages.tensors(), strict=True):
+        assert torch.equal(ours, theirs[[4, 2]]) and not theirs[[0, 1, 3]].any()
+    assert tables.head_groups and tables.planes == 16 | 8 | 4 | 2 | 1  # rows of 4..8 bits and a pivot
+    with pytest.raises(ValueError, match=r"pages.codes must be torch.int32 \[5, "):
+        check_pages(tables, Pages(pages.codes[:, 1:].contiguous(), pages.row_scale, pages.col_scale))
+    with pytest.raises(ValueError, match="column scales"):
+        check_pages(tables, Pages(pages.codes, pages.row_scale))
+    assert Pages.empty(FormatTables(LayerFormat(fmt.bits, None, "absmax"), 16), 3).col_scale is None

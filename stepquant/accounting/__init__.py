@@ -4,7 +4,7 @@ The paper's claims are byte counts and a capacity model for a serving engine tha
 persistent-state slots. This package computes them for any model shape (docs/accounting.md):
 
     formulas.py  StateBytes and the byte count of each format (float casts, INT-b rowwise, DSQ,
-                 STEPQuant at a nominal budget, any codec, a concrete plan through the packed layout)
+                 STEPQuant at a nominal budget, any codec, a concrete plan through its LayerFormats)
     capacity.py  Capacity: state slots, pool bytes, totals with weights and attention KV
     presets.py   the paper's models (Qwen3.8-27B, Kimi-Linear-48B-A3B)
     report.py    memory_report / format_report: what ``stepquant memory`` prints
@@ -25,6 +25,7 @@ from .formulas import (
     PIVOT_REPLACES_BITS,
     SCALE_BITS,
     StateBytes,
+    as_layer_formats,
     codec_bytes,
     default_pivots,
     dsq_bytes,
@@ -42,7 +43,7 @@ Mixer = SimpleNamespace(**{name.upper(): family for name, family in FAMILIES.ite
 
 __all__ = [
     "FP16_BITS", "FP32_BITS", "GIB", "MIB", "PIVOT_REPLACES_BITS", "PRESETS", "SCALE_BITS", "Capacity",
-    "Mixer", "ModelShape", "StateBytes", "capacity", "codec_bytes", "default_pivots", "dsq_bytes",
-    "float_bytes", "format_report", "get_preset", "int_rowwise_bytes", "max_pivots", "measured_bytes",
-    "memory_report", "plan_bytes", "stepquant_bytes",
+    "Mixer", "ModelShape", "StateBytes", "as_layer_formats", "capacity", "codec_bytes", "default_pivots",
+    "dsq_bytes", "float_bytes", "format_report", "get_preset", "int_rowwise_bytes", "max_pivots",
+    "measured_bytes", "memory_report", "plan_bytes", "stepquant_bytes",
 ]

@@ -26,8 +26,8 @@ def _run_memory(args: argparse.Namespace) -> int:
     shape = get_preset(args.preset) if args.preset is not None else shape_from_config(args.config)
     plan = None
     if args.plan is not None:
-        plan = Plan.load(args.plan)  # counted in the plan's own stored format (has_col_scale)
-        plan = plan_bytes(list(plan.bits), shape, has_col_scale=plan.has_col_scale,
+        plan = Plan.load(args.plan)  # counted in the plan's own stored format: its LayerFormats
+        plan = plan_bytes(plan.layer_formats(), shape,
                           label=f"plan {Path(args.plan).name} ({plan.variant}@{plan.budget_bits})")
     report = memory_report(shape, args.bits, args.pivots, args.batch, args.slots_per_request,
                            args.context, args.measured_bytes, plan)

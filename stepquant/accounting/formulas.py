@@ -22,9 +22,9 @@ from fractions import Fraction
 
 import torch
 
+from stepquant.codecs import LayerFormat
 from stepquant.codecs.base import MIN_BITS, PIVOT_BITS, check_bits
 from stepquant.families import ModelShape, check_count
-from stepquant.packing import PackedLayout
 
 FP32_BITS = 32
 FP16_BITS = 16
@@ -186,32 +186,46 @@ def codec_bytes(codec, shape: ModelShape) -> StateBytes:
                       _bits_to_bytes(serving * shape.linear_layers), shape.values)
 
 
-def plan_bytes(layer_bits, shape: ModelShape, has_col_scale: bool = True, label: str = "plan") -> StateBytes:
-    """Bytes of a concrete plan: bit width per unit of every layer, 2..8 or 16 (FP16 pivot).
+def as_layer_formats(layers, shape: ModelShape, has_col_scale: bool = True) -> list[LayerFormat]:
+    """One :class:`~stepquant.codecs.LayerFormat` per linear-attention layer of ``shape``.
 
-    ``layer_bits``: one entry per linear-attention layer, each [H] (bits per GDN head) or [H, K] (bits
-    per key row); a tensor [L, H] / [L, H, K] works too. Serving bytes are the packed layout's
-    ``bytes_per_slot`` (docs/format.md, word padding included); analytical bytes reserve scale slots
-    for every head.
+    ``layers``: one entry per layer, a LayerFormat or a bit table, [H] (bits per GDN head) or [H, K]
+    (bits per key row), 2..8 or 16 (FP16 pivot); a tensor [L, H] / [L, H, K] works too. A bit table
+    becomes the format with column scales (dual-axis) or, with has_col_scale=False, without (absmax).
     """
     _check_shape(shape)
-    if isinstance(layer_bits, torch.Tensor):
-        layer_bits = list(layer_bits)
-    if not isinstance(layer_bits, Sequence) or isinstance(layer_bits, str):
-        raise TypeError("layer_bits must be a sequence of per-layer bit tensors [H] or [H, K]")
-    if len(layer_bits) != shape.linear_layers:
-        raise ValueError(f"layer_bits has {len(layer_bits)} layers, the model has {shape.linear_layers}")
-    analytical = serving = 0
-    for index, bits in enumerate(layer_bits):
-        bits = torch.as_tensor(bits)
-        if bits.dim() == 1:
-            bits = bits[:, None].expand(-1, shape.key_dim)  # a GDN head's rows share its width
-        if tuple(bits.shape) != (shape.heads, shape.key_dim):
-            raise ValueError(f"layer_bits[{index}] must have shape [H]=[{shape.heads}] or [H, K]="
-                             f"[{shape.heads}, {shape.key_dim}], got {tuple(bits.shape)}")
-        layout = PackedLayout(bits.to(torch.int8), shape.value_dim, has_col_scale=has_col_scale)
-        analytical += layout.analytical_bytes
-        serving += layout.bytes_per_slot
+    if isinstance(layers, torch.Tensor):
+        layers = list(layers)
+    if not isinstance(layers, Sequence) or isinstance(layers, str):
+        raise TypeError("layers must be a sequence of LayerFormats or per-layer bit tensors [H] or [H, K]")
+    if len(layers) != shape.linear_layers:
+        raise ValueError(f"got {len(layers)} layers, the model has {shape.linear_layers}")
+    formats = []
+    for index, layer in enumerate(layers):
+        if not isinstance(layer, LayerFormat):
+            bits = torch.as_tensor(layer)
+            if bits.dim() == 1:
+                bits = bits[:, None].expand(-1, shape.key_dim)  # a GDN head's rows share its width
+            if tuple(bits.shape) != (shape.heads, shape.key_dim):
+                raise ValueError(f"layers[{index}] must have shape [H]=[{shape.heads}] or [H, K]="
+                                 f"[{shape.heads}, {shape.key_dim}], got {tuple(bits.shape)}")
+            layer = LayerFormat(bits, spatial="dual_axis" if has_col_scale else "absmax")
+        elif (layer.num_heads, layer.key_dim) != (shape.heads, shape.key_dim):
+            raise ValueError(f"layers[{index}] is a format of [H, K] = {[layer.num_heads, layer.key_dim]}, "
+                             f"the model has {[shape.heads, shape.key_dim]}")
+        formats.append(layer)
+    return formats
+
+
+def plan_bytes(layers, shape: ModelShape, has_col_scale: bool = True, label: str = "plan") -> StateBytes:
+    """Bytes of a concrete plan: the sum of its layers' ``LayerFormat.bytes`` (see :func:`as_layer_formats`).
+
+    Serving bytes are the packed layout's (docs/format.md, word padding included); analytical bytes
+    reserve scale slots for every head.
+    """
+    formats = as_layer_formats(layers, shape, has_col_scale)
+    analytical = sum(f.bytes(shape.value_dim, analytical=True) for f in formats)
+    serving = sum(f.bytes(shape.value_dim) for f in formats)
     return StateBytes(label, analytical, serving, shape.values)
 
 

@@ -4,7 +4,7 @@ allocate bits (lifetime-aware, exact knapsack, FP16 pivots) and write validated 
     observers.py  RecurrenceObserver (captures q, k, v, g, beta per layer), replay (FP32 reference)
     stats.py      collect_stats -> CalibrationStats (stats.safetensors), unit_half_lives, row_impact_factors
     allocate.py   allocate -> Allocation (variants stepquant / temporal / temporal-nopivot / spatial)
-    plan.py       Plan (plan.json v2 + plan.safetensors): load/validate, codec(i), bits_per_value
+    plan.py       Plan (plan.json v2 + plan.safetensors): load/validate, layer_format(i) / codec(i), bytes
     quantizer.py  the quantizer block (DualAxisConfig <-> JSON) of plans and statistics, V1_QUANTIZER
     cli.py        `stepquant calibrate`
 

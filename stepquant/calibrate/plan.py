@@ -24,7 +24,8 @@ The API the cache / evaluation code uses:
 
     plan = Plan.load("plans/gdn/stepquant-6", model_config=model.config)
     plan.family, plan.linear_layers, plan.bits[i], plan.w[i], plan.variant, plan.budget_bits
-    codec = plan.codec(i)                  # MixedCodec of linear layer number i
+    layer = plan.layer_format(i)           # LayerFormat of linear layer number i: codec, layout, bytes
+    codec = plan.codec(i)                  # its MixedCodec, layer.codec()
     plan.bits_per_value(serving=True)
 """
 
@@ -42,10 +43,10 @@ from safetensors.torch import load as load_safetensors_bytes
 from safetensors.torch import save
 
 import stepquant
-from stepquant.accounting import PIVOT_REPLACES_BITS, SCALE_BITS, StateBytes, plan_bytes
-from stepquant.codecs import MixedCodec
-from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS, check_bits_plan
-from stepquant.codecs.dual_axis import DualAxisConfig, check_row_weights
+from stepquant.accounting import PIVOT_REPLACES_BITS, SCALE_BITS, StateBytes, as_layer_formats, plan_bytes
+from stepquant.codecs import LayerFormat, MixedCodec
+from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS
+from stepquant.codecs.dual_axis import DualAxisConfig
 from stepquant.families import ModelShape, family_for, shape_from_config
 
 from .allocate import VARIANTS, Allocation, get_variant
@@ -139,7 +140,7 @@ def _bits_from_json(
                     f"characters ('{MIN_BITS}'..'{MAX_BITS}' or '{PIVOT_CHAR}')"
                 )
             rows = [[PIVOT_BITS if ch == PIVOT_CHAR else int(ch) for ch in s] for s in entry]
-        result.append(check_bits_plan(torch.tensor(rows, dtype=torch.int64), f"bits of layer {layer}"))
+        result.append(torch.tensor(rows, dtype=torch.int64))  # validated once, by the plan's LayerFormat
     return result
 
 
@@ -171,6 +172,7 @@ class Plan(ModelFields):
     calibration: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     quantizer: DualAxisConfig = field(default_factory=DualAxisConfig)
+    formats: tuple[LayerFormat, ...] = field(init=False, repr=False)  # one per layer, from bits and w
 
     def __post_init__(self) -> None:
         get_variant(self.variant)
@@ -184,21 +186,25 @@ class Plan(ModelFields):
                 f"bits and w must have one [H, K] tensor per linear layer ({num_layers}), "
                 f"got {len(self.bits)} and {len(self.w)}"
             )
-        bits, w = [], []
+        formats = []
         for i, (layer_bits, layer_w) in enumerate(zip(self.bits, self.w, strict=True)):
-            layer_bits = check_bits_plan(torch.as_tensor(layer_bits), f"bits[{i}]")
-            if tuple(layer_bits.shape) != (self.num_heads, self.key_dim):
+            try:  # the one validation of the layer's bits and w
+                layer = LayerFormat(torch.as_tensor(layer_bits), torch.as_tensor(layer_w), self.spatial,
+                                    self.quantizer)
+            except (TypeError, ValueError) as err:
+                raise type(err)(f"layer {i} (bits[{i}], w[{i}]): {err}") from err
+            if (layer.num_heads, layer.key_dim) != (self.num_heads, self.key_dim):
                 raise ValueError(
                     f"bits[{i}] must be [H, K] = {[self.num_heads, self.key_dim]}, "
-                    f"got {list(layer_bits.shape)}"
+                    f"got {list(layer.bits.shape)}"
                 )
-            if self.family == "gdn" and not bool((layer_bits == layer_bits[:, :1]).all()):
+            if self.family == "gdn" and not bool((layer.bits == layer.bits[:, :1]).all()):
                 raise ValueError(f"bits[{i}]: every key row of a GDN head must have the head's width")
-            bits.append(layer_bits)
-            w.append(check_row_weights(torch.as_tensor(layer_w), self.num_heads, self.key_dim, f"w[{i}]"))
-        object.__setattr__(self, "bits", tuple(bits))
-        object.__setattr__(self, "w", tuple(w))
-        found = int(sum(int((b == PIVOT_BITS).sum()) for b in bits)) // (
+            formats.append(layer)
+        object.__setattr__(self, "formats", tuple(formats))
+        object.__setattr__(self, "bits", tuple(f.bits for f in formats))
+        object.__setattr__(self, "w", tuple(f.w for f in formats))
+        found = int(sum(int((b == PIVOT_BITS).sum()) for b in self.bits)) // (
             self.key_dim if self.family == "gdn" else 1
         )
         if found != self.pivots:
@@ -242,30 +248,34 @@ class Plan(ModelFields):
             )
         return self.linear_layers.index(model_layer)
 
-    def codec(self, i: int) -> MixedCodec:
-        """The MixedCodec of linear layer number i (0-based among linear layers): dual-axis + w or absmax."""
+    def layer_format(self, i: int) -> LayerFormat:
+        """The LayerFormat of linear layer number i (0-based among linear layers): bits, w, the plan's
+        spatial quantizer and its quantizer config."""
         if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < len(self.linear_layers):
             raise ValueError(
                 f"i must be a linear-layer number in 0..{len(self.linear_layers) - 1}, got {i!r} "
                 "(map a model layer index with plan.layer_number)"
             )
-        return MixedCodec.from_plan(self, i, spatial=self.spatial, config=self.quantizer)
+        return self.formats[i]
+
+    def layer_formats(self) -> list[LayerFormat]:
+        """The LayerFormat of every linear layer, in order (what a PackedStatePool is built from)."""
+        return list(self.formats)
+
+    def codec(self, i: int) -> MixedCodec:
+        """The MixedCodec of linear layer number i: ``layer_format(i).codec()`` (dual-axis + w or absmax)."""
+        return self.layer_format(i).codec()
 
     def state_bytes(self) -> StateBytes:
-        """Bytes per request of this plan in the packed layout (serving) and analytical count."""
-        return plan_bytes(
-            list(self.bits),
-            self.shape,
-            has_col_scale=self.has_col_scale,
-            label=f"{self.variant}@{self.budget_bits}",
-        )
+        """Bytes per request of this plan: its LayerFormats' bytes (serving and analytical count)."""
+        return plan_bytes(self.layer_formats(), self.shape, label=f"{self.variant}@{self.budget_bits}")
 
     def bits_per_value(self, serving: bool = True) -> float:
         return self.state_bytes().bits_per_value(serving=serving)
 
     def accounting(self) -> dict:
-        """Budget and bytes as accounted (stepquant.accounting / packing.PackedLayout), with the slack."""
-        return plan_accounting(list(self.bits), self.shape, self.budget_bits, self.pivots, self.has_col_scale)
+        """Budget and bytes: the LayerFormats' bytes against the nominal budget, with the slack."""
+        return plan_accounting(self.layer_formats(), self.shape, self.budget_bits, self.pivots)
 
     # ------------------------------------------------------------ files
 
@@ -388,7 +398,7 @@ class Plan(ModelFields):
         json_bits = _bits_from_json(
             document["bits"], layers, model["family"], model["num_heads"], model["key_dim"]
         )
-        if not torch.equal(torch.stack(json_bits), arrays["bits"].to(torch.int8)):
+        if not torch.equal(torch.stack(json_bits), arrays["bits"].to(torch.int64)):
             raise ValueError(f"the bits of {json_path} and {arrays_path} disagree{redo}")
         plan = cls(
             model_name=model["name"],
@@ -452,28 +462,29 @@ def _recalibrate_hint(document: dict) -> str:
 # ---------------------------------------------------------------- accounting
 
 
-def plan_accounting(
-    layer_bits: list[torch.Tensor], shape: ModelShape, budget_bits: int, pivots: int, has_col_scale: bool
-) -> dict:
-    """Budget vs achieved bits of a plan, as stepquant.accounting / packing.PackedLayout count them.
+def plan_accounting(layers, shape: ModelShape, budget_bits: int, pivots: int,
+                    has_col_scale: bool = True) -> dict:
+    """Budget vs achieved bits of a plan: its LayerFormats' bytes against the nominal formulas.
 
+    layers: the plan's LayerFormats, or its bit tables with has_col_scale (accounting.as_layer_formats).
     code_bits_budget = b̄ N - 8 N_piv (N_piv in values); code_bits_used: the integer codes; slack = the
     difference. nominal_*_bytes: the format at exactly the budget (codes b̄ N - 8 N_piv, FP16 pivots, FP16
     scales: every head analytically, serving without heads that are all pivots); *_bytes: the plan's
-    packed layout. With V a multiple of 32 (rows word-aligned) bytes = nominal - slack / 8.
+    packed layout (``LayerFormat.bytes``). With V a multiple of 32 (rows word-aligned) bytes = nominal -
+    slack / 8.
     """
-    stacked = torch.stack([torch.as_tensor(b).to(torch.int64) for b in layer_bits])  # [L, H, K]
+    formats = as_layer_formats(layers, shape, has_col_scale)
+    stacked = torch.stack([f.bits.to(torch.int64) for f in formats])  # [L, H, K]
     is_pivot = stacked == PIVOT_BITS
     code_bits_used = int(stacked[~is_pivot].sum()) * shape.value_dim
     pivot_values = int(is_pivot.sum()) * shape.value_dim
     code_bits_budget = budget_bits * shape.values - PIVOT_REPLACES_BITS * pivot_values
-    scale_slots = shape.key_dim + (shape.value_dim if has_col_scale else 0)
-    all_pivot_heads = int(is_pivot.all(dim=2).sum())
-    nominal_analytical = (
-        code_bits_budget + PIVOT_BITS * pivot_values + SCALE_BITS * shape.num_heads * scale_slots
-    )
-    nominal_serving = nominal_analytical - SCALE_BITS * all_pivot_heads * scale_slots
-    actual = plan_bytes(list(stacked.to(torch.int8)), shape, has_col_scale=has_col_scale)
+    # FP16 scale bits of one head of each layer: K row scales, plus V column scales
+    scales = [SCALE_BITS * (shape.key_dim + (shape.value_dim if f.has_col_scale else 0)) for f in formats]
+    all_pivot_heads = is_pivot.all(dim=2).sum(dim=1).tolist()  # [L]
+    nominal_analytical = code_bits_budget + PIVOT_BITS * pivot_values + shape.heads * sum(scales)
+    nominal_serving = nominal_analytical - sum(n * b for n, b in zip(all_pivot_heads, scales, strict=True))
+    actual = plan_bytes(formats, shape)
     slack = code_bits_budget - code_bits_used
     return {
         "budget_bits": budget_bits,

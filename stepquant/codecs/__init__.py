@@ -8,6 +8,8 @@ Names:
   "dual2" .. "dual8"          STEPQuant's key-row-aware dual-axis fitting, uniform bits: "spatial only"
   "mixed"                     plan-driven per-row bits with FP16 pivots (mixed.py; needs bits=, w=)
 
+A calibrated plan's layer is a :class:`LayerFormat` (layer_format.py: its codec, packed layout and bytes).
+
 ``make_codec(name, **kwargs)`` passes kwargs to the codec: e.g. make_codec("fp16", overflow="raise"),
 make_codec("int4-sr", seed=3), make_codec("dsq4", col_exponent=0.5), make_codec("dual4", w=w,
 refit_iters=2, grid="midrise"), make_codec("mixed", bits=bits, w=w, spatial="absmax").
@@ -44,6 +46,7 @@ from .dual_axis import (
     row_gains,
     weighted_error,
 )
+from .layer_format import LayerFormat
 from .mixed import MixedCodec, fit_rowwise_absmax
 from .uniform import UniformCodec, rowwise_absmax_scale
 
@@ -59,6 +62,7 @@ __all__ = [
     "DualAxisCodec",
     "DualAxisConfig",
     "Grid",
+    "LayerFormat",
     "MixedCodec",
     "QState",
     "UniformCodec",

@@ -16,10 +16,11 @@ a plan, ``bits [H, K]`` for one layer, and produces one :class:`QState` with mix
 - ``spatial="absmax"`` (the "temporal only" ablation): each integer row is rowwise absmax at its own
   bit width (uniform.py's rule with qmax_b(i)), MIDTREAD grid, no column scales; w is not used.
 
-Rows with 16 bits are FP16 pivots (values saturated to +-65504, as the FP16 cast does). Storage is
-counted exactly (Codec.storage_bits): codes b_i V per integer row, 16 V per pivot row, and FP16 scales
-(K per head, plus V with column scales) for every head that has at least one integer row (serving
-count: a GDN pivot head carries none) or for every head (analytical=True, the paper's count).
+Rows with 16 bits are FP16 pivots (values saturated to +-65504, as the FP16 cast does). Storage
+(Codec.storage_bits) is the packed layout's count (packing.PackedLayout, docs/format.md): codes b_i V
+per integer row and 16 V per pivot row, in whole int32 words, and FP16 scales (K per head, plus V with
+column scales) for every head that has at least one integer row (serving count: a GDN pivot head
+carries none) or for every head (analytical=True, the paper's count).
 """
 
 from __future__ import annotations
@@ -42,9 +43,11 @@ from .base import (
     round_to_codes,
 )
 from .dual_axis import DualAxisConfig, check_row_weights, fit_dual_axis
+from .packing import PackedLayout
 from .uniform import rowwise_absmax_scale
 
 SPATIAL_CHOICES = ("dual_axis", "absmax")
+_NAMES = {"dual_axis": "mixed", "absmax": "mixed-absmax"}
 
 
 def fit_rowwise_absmax(states: torch.Tensor, bits: torch.Tensor) -> QState:
@@ -91,18 +94,18 @@ class MixedCodec(Codec):
             raise ValueError(f"spatial must be one of {list(SPATIAL_CHOICES)}, got {self.spatial!r}")
         if not isinstance(self.config, DualAxisConfig):
             raise TypeError(f"config must be a DualAxisConfig, got {type(self.config).__name__}")
-        object.__setattr__(self, "name", "mixed" if self.spatial == "dual_axis" else "mixed-absmax")
+        object.__setattr__(self, "name", _NAMES[self.spatial])
 
     @classmethod
-    def from_plan(cls, plan, layer: int, **kwargs) -> MixedCodec:
-        """The codec of one layer of a calibration plan (any object with bits[L][H, K] and w[L][H, K])."""
-        try:
-            bits, w = plan.bits[layer], plan.w[layer]
-        except (AttributeError, IndexError, TypeError, KeyError) as err:
-            raise TypeError(
-                f"plan must have per-layer bits[L][H, K] and w[L][H, K] with layer {layer} present ({err})"
-            ) from err
-        return cls(bits=torch.as_tensor(bits), w=None if w is None else torch.as_tensor(w), **kwargs)
+    def _of_checked(cls, bits: torch.Tensor, w: torch.Tensor | None, spatial: str,
+                    config: DualAxisConfig) -> MixedCodec:
+        """The codec of fields a LayerFormat validated already (its ``codec()``), without validating
+        them again."""
+        codec = object.__new__(cls)
+        for name, value in (("bits", bits), ("w", w), ("spatial", spatial), ("config", config)):
+            object.__setattr__(codec, name, value)
+        object.__setattr__(codec, "name", _NAMES[spatial])
+        return codec
 
     @property
     def num_pivot_rows(self) -> int:
@@ -120,15 +123,12 @@ class MixedCodec(Codec):
         return encoded.dequantize()
 
     def storage_bits(self, num_heads: int, key_dim: int, value_dim: int, *, analytical: bool = False) -> int:
-        """Codes + pivots + FP16 scales of one request's layer state (serving or analytical count)."""
+        """Bits of one request's layer state in the packed layout (serving or analytical count)."""
         check_dims(num_heads, key_dim, value_dim)
         if (num_heads, key_dim) != tuple(self.bits.shape):
             raise ValueError(
                 f"(num_heads, key_dim) = {(num_heads, key_dim)} does not match the plan's [H, K] = "
                 f"{list(self.bits.shape)}"
             )
-        row_bits = self.bits.to(torch.int64)
-        code_bits = int(row_bits.sum()) * value_dim  # pivot rows count 16 V
-        scaled_heads = num_heads if analytical else int((row_bits != PIVOT_BITS).any(dim=1).sum())
-        scale_slots = key_dim + (value_dim if self.spatial == "dual_axis" else 0)
-        return code_bits + 16 * scaled_heads * scale_slots
+        layout = PackedLayout._of_checked(self.bits, value_dim, self.spatial == "dual_axis")
+        return 8 * (layout.analytical_bytes if analytical else layout.bytes_per_slot)

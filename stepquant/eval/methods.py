@@ -14,7 +14,8 @@ FP32 is the reference every excess NLL is measured against, so it is always eval
 
 Bytes per request come from the codecs' exact ``storage_bits`` summed over the linear-attention layers,
 as stepquant.accounting counts them (serving count: pivot heads carry no scale slots; analytical: the
-paper's count with scale slots for every head).
+paper's count with scale slots for every head); a plan's layer is counted by its LayerFormat's packed
+layout (the MixedCodec's storage_bits, which is ``LayerFormat.bytes``).
 """
 
 from __future__ import annotations

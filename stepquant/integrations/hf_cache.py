@@ -24,7 +24,7 @@ A codec spec is a :class:`~stepquant.codecs.base.Codec`, a registry name ("int4"
 calibration plan (anything with ``linear_layers`` and ``codec(i)``), a list with one codec per
 linear-attention layer, or a ``{model layer index: codec}`` dict.
 
-Storage: an integer format's :class:`~stepquant.codecs.base.QState` is bit-packed (stepquant.packing,
+Storage: an integer format's :class:`~stepquant.codecs.base.QState` is bit-packed (codecs.packing,
 exact round trip) unless ``packed=False``, so :meth:`CompressedStateCache.state_bytes` measures the bytes
 a serving pool would hold (the serving count of stepquant.accounting). ``packed=False`` keeps one byte
 per code (faster on CPU; same values, since unpack(pack(q)) dequantizes to the same state).
@@ -52,8 +52,8 @@ except ImportError as err:  # transformers missing, or a version without linear-
     ) from err
 
 from stepquant.codecs import Codec, QState, make_codec
+from stepquant.codecs.packing import PackedLayout, PackedState, pack, unpack
 from stepquant.families import SUPPORTED_MODEL_TYPES, linear_layers  # qwen3_next, qwen3_5(_moe), kimi_linear
-from stepquant.packing import PackedLayout, PackedState, pack, unpack
 from stepquant.recurrence import prepare_qk, step
 
 SUPPORTED_TRANSFORMERS = ((5, 23), (5, 24))  # >= 5.23, < 5.24
@@ -172,7 +172,7 @@ class CompressedLinearAttentionLayer(LinearAttentionLayer):
 
     codecs:      one codec per row group (this layer's codec of each group's spec)
     group_sizes: rows per group, or None for an equal split of the batch at the first store
-    packed:      bit-pack QStates (stepquant.packing) so the held bytes are the serving bytes
+    packed:      bit-pack QStates (stepquant.codecs.packing) so the held bytes are the serving bytes
     """
 
     def __init__(self, codecs: Sequence[Codec], group_sizes: Sequence[int] | None = None, packed: bool = True,

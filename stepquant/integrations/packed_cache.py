@@ -55,9 +55,10 @@ from stepquant.integrations.hf_cache import check_transformers_version, config_m
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
+from stepquant.codecs import LayerFormat
 from stepquant.families import SUPPORTED_MODEL_TYPES, family_for, linear_layers, shape_from_config
 from stepquant.kernels.decode import decode_step_packed, decode_step_split, naive_unpack_states, pack_states
-from stepquant.pool import LayerPlan, PackedLayer, PackedStatePool, plans_from
+from stepquant.pool import PackedLayer, PackedStatePool
 
 _ROUTE_MARK = "_stepquant_packed_route"
 
@@ -264,33 +265,35 @@ class PackedLinearAttentionLayer(LinearAttentionLayer):
             self.conv_states[0] = self.conv_states[0].to(self.device, non_blocking=True)
 
 
-def _layer_plans(plan, linear_layers: list[int]) -> list[LayerPlan]:
-    if isinstance(plan, Sequence) and plan and all(isinstance(p, LayerPlan) for p in plan):
-        plans = list(plan)
-    elif hasattr(plan, "bits") and hasattr(plan, "w"):
-        plan_layers = [int(i) for i in getattr(plan, "linear_layers", linear_layers)]
+def _layer_formats(plan, linear_layers: list[int]) -> list[LayerFormat]:
+    """One LayerFormat per linear-attention layer: the list given, or a calibration plan's
+    ``layer_formats()`` (serving does not import calibration, so a plan is known by that method)."""
+    if isinstance(plan, Sequence) and plan and all(isinstance(f, LayerFormat) for f in plan):
+        formats = list(plan)
+    elif callable(getattr(plan, "layer_formats", None)):
+        plan_layers = [int(i) for i in plan.linear_layers]
         if plan_layers != linear_layers:
             raise ValueError(
                 f"the plan covers linear-attention layers {plan_layers} but the model has {linear_layers}; "
                 "was it calibrated for another model?"
             )
-        plans = plans_from(plan, spatial=getattr(plan, "spatial", "dual_axis"))
+        formats = plan.layer_formats()
     else:
         raise TypeError(
             "plan must be a calibration plan (stepquant.calibrate.Plan.load('plans/gdn/stepquant-6')) or a "
-            f"list of stepquant.pool.LayerPlan, one per linear-attention layer; got {type(plan).__name__}"
+            f"list of stepquant.codecs.LayerFormat, one per linear-attention layer; got {type(plan).__name__}"
         )
-    if len(plans) != len(linear_layers):
-        raise ValueError(f"got {len(plans)} layer plans for {len(linear_layers)} linear-attention layers "
+    if len(formats) != len(linear_layers):
+        raise ValueError(f"got {len(formats)} layer formats for {len(linear_layers)} linear-attention layers "
                          f"{linear_layers}")
-    return plans
+    return formats
 
 
 class PackedStateCache(DynamicCache):
     """DynamicCache whose linear-attention states live in a packed state pool (module docstring).
 
     config:    the model's config (qwen3_next, qwen3_5(_text), qwen3_5_moe(_text), kimi_linear)
-    plan:      a calibration plan (``Plan.load(dir)``: bits, w, spatial) or one LayerPlan per linear layer
+    plan:      a calibration plan (``Plan.load(dir)``) or one LayerFormat per linear layer
     max_batch: slots in the pool = the most rows a forward may have (batch x num_beams for beam search)
     device:    where the pool lives: the model's device ("cuda" for the GPU kernels)
     split:     on CUDA, run each decode as the paper's split step: the readout on the model's stream and the
@@ -320,18 +323,18 @@ class PackedStateCache(DynamicCache):
             raise ValueError("the packed pool holds one recurrent state per linear-attention layer")
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         shape = shape_from_config(text.to_dict())
-        plans = _layer_plans(plan, self.linear_layers)
-        for i, layer_plan in zip(self.linear_layers, plans, strict=True):
-            if (layer_plan.num_heads, layer_plan.key_dim) != (shape.heads, shape.key_dim):
+        formats = _layer_formats(plan, self.linear_layers)
+        for i, layer in zip(self.linear_layers, formats, strict=True):
+            if (layer.num_heads, layer.key_dim) != (shape.heads, shape.key_dim):
                 raise ValueError(
-                    f"the plan of layer {i} is for [H, K] = {[layer_plan.num_heads, layer_plan.key_dim]} but "
-                    f"the model has {[shape.heads, shape.key_dim]}"
+                    f"the format of layer {i} is for [H, K] = {[layer.num_heads, layer.key_dim]} but the "
+                    f"model has {[shape.heads, shape.key_dim]}"
                 )
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:  # "cuda" means the current GPU, as in torch
             device = torch.device("cuda", torch.cuda.current_device())
         self.model_type = model_type
-        self.pool = PackedStatePool(plans, max_batch, shape.value_dim, device)
+        self.pool = PackedStatePool(formats, max_batch, shape.value_dim, device)
         self._rows = _RowSlots(self.pool)
         if split and device.type != "cuda":
             raise ValueError("split=True runs the CUDA kernel's readout and writeback on two streams: it "

@@ -8,15 +8,18 @@ float chunk kernel over T tokens and only its final state is stored. This helper
    tensors are on CUDA, else stepquant.recurrence.gated_delta_rule (the float reference);
 3. quantize + pack the boundary states into the slots (the Triton pack kernel on CUDA, the torch codec
    elsewhere; both produce the same words, tests/test_kernels.py).
+
+:func:`prefill` takes the layer's tables and pages (stepquant.kernels.tables), :func:`prefill_packed` a
+``pool.PackedLayer``.
 """
 
 from __future__ import annotations
 
 import torch
 
-from stepquant.kernels.decode import naive_unpack_states, pack_states
+from stepquant.kernels.decode import naive_unpack, pack
 from stepquant.kernels.decode.naive import check_token_inputs
-from stepquant.pool import PackedLayer
+from stepquant.kernels.tables import FormatTables, Pages
 from stepquant.recurrence import expand_key_heads, gated_delta_rule
 
 
@@ -31,8 +34,9 @@ def _fla_chunk(mode: str):
     return fn
 
 
-def prefill_packed(
-    layer: PackedLayer,
+def prefill(
+    tables: FormatTables,
+    pages: Pages,
     slots: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -51,7 +55,7 @@ def prefill_packed(
     g [N, T, H] (GDN) or [N, T, H, K] (KDA) log decays; beta [N, T, H]. from_state=False starts from the
     zero state (a new request) instead of the slot's current state. use_fla: None = when available.
     """
-    check_token_inputs(layer, slots, q, k, v, g, beta, chunk=True)
+    check_token_inputs(tables, pages, slots, q, k, v, g, beta, chunk=True)
     mode = "kda" if g.dim() == 4 else "gdn"
     out = torch.zeros(v.shape, dtype=v.dtype, device=v.device)
     active = torch.nonzero(slots.to(torch.int64) >= 0).flatten()
@@ -61,20 +65,26 @@ def prefill_packed(
     rows = active.to(v.device)
     q, k, v, g, beta = (t[rows] for t in (q, k, v, g, beta))
     if from_state:
-        h0 = naive_unpack_states(layer, slot_ids).to(v.device)
+        h0 = naive_unpack(tables, pages, slot_ids).to(v.device)
     else:
-        h0 = torch.zeros(rows.numel(), layer.num_heads, layer.key_dim, layer.value_dim, device=v.device)
+        h0 = torch.zeros(rows.numel(), tables.num_heads, tables.key_dim, tables.value_dim, device=v.device)
     fn = _fla_chunk(mode) if (use_fla is None or use_fla) and v.is_cuda else None
     if use_fla and fn is None:
         raise RuntimeError("use_fla=True but fla's chunk kernels are not importable on this device")
     if fn is not None:
         # fla's chunk kernels take q/k with as many heads as v: expand grouped key heads first
-        q_full, k_full = (expand_key_heads(t, layer.num_heads) for t in (q, k))
+        q_full, k_full = (expand_key_heads(t, tables.num_heads) for t in (q, k))
         o, final = fn(q_full, k_full, v, g, beta, scale=scale, initial_state=h0, output_final_state=True,
                       use_qk_l2norm_in_kernel=use_qk_l2norm)
     else:
         o, final = gated_delta_rule(q, k, v, g, beta, h0, scale=scale, use_qk_l2norm=use_qk_l2norm,
                                     output_final_state=True, mode=mode)
-    pack_states(layer, slot_ids.to(torch.int32).to(layer.device), final.to(torch.float32))
+    pack(tables, pages, slot_ids.to(torch.int32).to(tables.device), final.to(torch.float32))
     out[rows] = o.to(out.dtype)
     return out
+
+
+def prefill_packed(layer, slots: torch.Tensor, q, k, v, g, beta, **options) -> torch.Tensor:
+    """:func:`prefill` on a pool.PackedLayer's tables and pages (after its pending writeback)."""
+    layer.wait_writes()
+    return prefill(layer.tables, layer.pages, slots, q, k, v, g, beta, **options)

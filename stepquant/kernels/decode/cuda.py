@@ -10,8 +10,8 @@ statistic, gate kind, clip table: the SQ_* macros of the source) for the GPU's a
 ``$STEPQUANT_KERNEL_CACHE`` (default ``~/.cache/stepquant/kernels``), keyed by a hash of the source, the
 flags and the nvcc version; later processes load it without compiling. It needs ``nvcc`` on PATH (or
 ``$CUDA_HOME/bin``) at first use and links the CUDA runtime statically, so it runs beside any torch build
-of a compatible driver. :func:`supported` says whether a layer and its inputs fit the kernel (V = 128,
-K a multiple of 16 up to 128); decode_step_packed falls back to the Triton kernel otherwise.
+of a compatible driver. :func:`supported` says whether a layer's format tables fit the kernel (V = 128,
+K a multiple of 16 up to 128); decode_step falls back to the Triton kernel otherwise.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from stepquant.codecs.base import Grid
-from stepquant.pool import PackedLayer
+from stepquant.kernels.tables import FormatTables, Pages
 
-from .naive import check_token_inputs
+from .naive import check_states, check_token_inputs
 
 SOURCE = Path(__file__).with_name("packed_step.cu")
 EMULATION_HEADER = Path(__file__).with_name("cuda_emulation.h")
@@ -86,7 +86,7 @@ def build(defines: tuple[tuple[str, int], ...], target: str) -> Path:
         compiler = nvcc_path()
         if compiler is None:
             raise RuntimeError("the CUDA decode kernel needs nvcc at first use (put it on PATH or set "
-                               "CUDA_HOME); without it decode_step_packed uses the Triton kernel")
+                               "CUDA_HOME); without it decode_step uses the Triton kernel")
         flags = ["-O3", "-std=c++20", f"-gencode=arch=compute_{target},code=sm_{target}", "-shared",
                  "-Xcompiler", "-fPIC"]
         version = _nvcc_version(compiler)
@@ -121,28 +121,29 @@ def _load(defines: tuple[tuple[str, int], ...], target: str) -> ctypes.CDLL:
     return lib
 
 
-def defines_for(layer: PackedLayer, part: str, kda: bool, debug: bool = False) -> tuple[tuple[str, int], ...]:
+def defines_for(tables: FormatTables, part: str, kda: bool,
+                debug: bool = False) -> tuple[tuple[str, int], ...]:
     """The SQ_* macros of a layer's quantizer (what one compiled library serves)."""
-    config = layer.plan.config
-    dual = layer.plan.has_col_scale
+    config = tables.format.config
+    dual = tables.has_col_scale
     clipped = sum(1 << b for b in range(2, 9) if config.clip_for(b) < 1.0)
     return (("SQ_PART", PARTS[part]), ("SQ_DUAL", int(dual)),
-            ("SQ_MIDRISE", int(dual and layer.grid is Grid.MIDRISE)),
+            ("SQ_MIDRISE", int(dual and tables.grid is Grid.MIDRISE)),
             ("SQ_RECIP", int(dual and config.division == "reciprocal")),
             ("SQ_RMS", int(config.row_stat == "rms")), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
             ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_DEBUG", int(debug)),
             *sorted(TUNING.items()))
 
 
-def supported(layer: PackedLayer) -> bool:
+def supported(tables: FormatTables) -> bool:
     """Whether the CUDA kernel serves this layer (V = 128, K <= 128, on a CUDA device, nvcc at hand)."""
-    return (layer.device.type == "cuda" and _fits(layer)
-            and torch.cuda.get_device_capability(layer.device)[0] >= 8 and nvcc_path() is not None)
+    return (tables.device.type == "cuda" and _fits(tables)
+            and torch.cuda.get_device_capability(tables.device)[0] >= 8 and nvcc_path() is not None)
 
 
-def _fits(layer: PackedLayer) -> bool:
-    k = layer.key_dim
-    return layer.value_dim == VALUE_DIM and k <= MAX_KEY_DIM and k % KEY_DIM_STEP == 0
+def _fits(tables: FormatTables) -> bool:
+    k = tables.key_dim
+    return tables.value_dim == VALUE_DIM and k <= MAX_KEY_DIM and k % KEY_DIM_STEP == 0
 
 
 def _target(device: torch.device) -> str:
@@ -156,41 +157,42 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-def launch(layer: PackedLayer, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *, part: str, scale: float,
-           use_qk_l2norm: bool, work: torch.Tensor | None = None, debug: dict | None = None) -> None:
+def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *, part: str,
+           scale: float, use_qk_l2norm: bool, work: torch.Tensor | None = None,
+           debug: dict | None = None) -> None:
     """One launch for every head of the layer (grid N x H); inputs already checked and contiguous FP32."""
     kda = g is not None and g.dim() == 3
-    layer.wait_writes()  # a pending side-stream writeback into these pages (decode_step_split)
-    lib = _load(defines_for(layer, part, kda, debug is not None), _target(layer.device))
+    device = tables.device
+    lib = _load(defines_for(tables, part, kda, debug is not None), _target(device))
     num_rows = slots.shape[0]
-    heads, key_dim = layer.num_heads, layer.key_dim
+    heads, key_dim = tables.num_heads, tables.key_dim
     dbg_x = dbg_c = None
     if debug is not None:
-        dbg_x = torch.full((num_rows, heads, key_dim, VALUE_DIM), float("nan"), device=layer.device)
-        dbg_c = torch.full((num_rows, heads, VALUE_DIM), float("nan"), device=layer.device)
+        dbg_x = torch.full((num_rows, heads, key_dim, VALUE_DIM), float("nan"), device=device)
+        dbg_c = torch.full((num_rows, heads, VALUE_DIM), float("nan"), device=device)
     p = _Params(
         q=_ptr(q), k=_ptr(k), v=_ptr(v), g=_ptr(g), beta=_ptr(beta), x_in=_ptr(x_in), y=_ptr(y),
         work=_ptr(work),
-        slots=_ptr(slots), codes=_ptr(layer.codes), row_scale=_ptr(layer.row_scale),
-        col_scale=_ptr(layer.col_scale), heads=_ptr(layer.head_info), row_info=_ptr(layer.row_table),
-        row_winv=_ptr(layer.row_winv), row_w2=_ptr(layer.row_w2), row_gain=_ptr(layer.row_gain),
-        dbg_x=_ptr(dbg_x), dbg_c=_ptr(dbg_c), scale=scale, slot_words=layer.layout.words_per_slot,
+        slots=_ptr(slots), codes=_ptr(pages.codes), row_scale=_ptr(pages.row_scale),
+        col_scale=_ptr(pages.col_scale), heads=_ptr(tables.head_info), row_info=_ptr(tables.row_table),
+        row_winv=_ptr(tables.row_winv), row_w2=_ptr(tables.row_w2), row_gain=_ptr(tables.row_gain),
+        dbg_x=_ptr(dbg_x), dbg_c=_ptr(dbg_c), scale=scale, slot_words=tables.words_per_slot,
         H=heads, HQ=heads if q is None else q.shape[1], K=key_dim,
-        num_scaled=layer.layout.num_scaled_heads, l2norm=int(use_qk_l2norm),
+        num_scaled=tables.num_scaled_heads, l2norm=int(use_qk_l2norm),
         bf16_mask=sum(1 << i for i, t in enumerate((q, k, v, g, beta, y))
                       if t is not None and t.dtype == torch.bfloat16))
-    stream = torch.cuda.current_stream(layer.device).cuda_stream if layer.device.type == "cuda" else 0
-    status = lib.sq_packed_step(ctypes.byref(p), num_rows, layer.device.index or 0, ctypes.c_void_p(stream))
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    status = lib.sq_packed_step(ctypes.byref(p), num_rows, device.index or 0, ctypes.c_void_p(stream))
     if status != 0:
         raise RuntimeError(f"CUDA decode kernel failed: {lib.sq_error_string(status).decode()}")
     if debug is not None:
         debug["x"], debug["c"] = dbg_x, dbg_c
 
 
-def _check_supported(layer: PackedLayer) -> None:
-    if not _fits(layer):
+def _check_supported(tables: FormatTables) -> None:
+    if not _fits(tables):
         raise ValueError(f"the CUDA kernel serves V = {VALUE_DIM} and K a multiple of {KEY_DIM_STEP} up "
-                         f"to {MAX_KEY_DIM}; this layer has K = {layer.key_dim}, V = {layer.value_dim} "
+                         f"to {MAX_KEY_DIM}; this layer has K = {tables.key_dim}, V = {tables.value_dim} "
                          "(the Triton kernel, fused.py, serves any shape)")
 
 
@@ -201,8 +203,9 @@ def _as_input(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device).contiguous()
 
 
-def packed_decode(
-    layer: PackedLayer,
+def decode(
+    tables: FormatTables,
+    pages: Pages,
     slots: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -217,14 +220,14 @@ def packed_decode(
     work: torch.Tensor | None = None,
     debug: dict | None = None,
 ) -> torch.Tensor:
-    """One decode token on packed states, in place; the signature of fused.fused_packed_decode.
+    """One decode token on packed states, in place; the signature of fused.fused_decode.
 
     part: "fused", or the split "readout" (y, and u into ``work`` [N, H, V] FP32 when given; slots
-    untouched) then "writeback" (requantizes the slots from the u in ``work``; y untouched). On a CPU
-    layer this runs the emulation build (tests only: slow).
+    untouched) then "writeback" (requantizes the slots from the u in ``work``; y untouched). On CPU
+    tables this runs the emulation build (tests only: slow).
     """
-    check_token_inputs(layer, slots, q, k, v, g, beta)
-    _check_supported(layer)
+    check_token_inputs(tables, pages, slots, q, k, v, g, beta)
+    _check_supported(tables)
     if part not in ("fused", "readout", "writeback"):
         raise ValueError(f"part must be 'fused', 'readout' or 'writeback', got {part!r}")
     if part == "writeback" and work is None:
@@ -233,14 +236,14 @@ def packed_decode(
     if work is not None and (work.shape != v.shape or work.dtype != torch.float32
                              or not work.is_contiguous()):
         raise ValueError(f"work must be a contiguous FP32 tensor of v's shape {list(v.shape)}")
-    device = layer.device
+    device = tables.device
     q, k, v, g, beta = (_as_input(t, device) for t in (q, k, v, g, beta))
     slots = slots.to(device, torch.int32).contiguous()
     direct = out is not None and (part == "writeback" or _as_input(out, device) is out)
     result = out if direct else torch.empty(v.shape, dtype=torch.float32, device=device)
-    scale = layer.key_dim**-0.5 if scale is None else float(scale)
-    launch(layer, slots, q, k, v, g, beta, result, None, part=part, scale=scale, use_qk_l2norm=use_qk_l2norm,
-           work=work, debug=debug)
+    scale = tables.key_dim**-0.5 if scale is None else float(scale)
+    launch(tables, pages, slots, q, k, v, g, beta, result, None, part=part, scale=scale,
+           use_qk_l2norm=use_qk_l2norm, work=work, debug=debug)
     if out is not None and result is not out:
         active = slots >= 0
         out[active] = result[active].to(out.dtype)
@@ -248,14 +251,12 @@ def packed_decode(
     return result
 
 
-def pack_states(layer: PackedLayer, slots: torch.Tensor, states: torch.Tensor, *,
-                debug: dict | None = None) -> None:
-    """Quantize float states [N, H, K, V] into ``slots`` (-1: skip a row), as fused_pack_states."""
-    expected = (slots.shape[0], layer.num_heads, layer.key_dim, layer.value_dim)
-    if tuple(states.shape) != expected:
-        raise ValueError(f"states must have shape [N, H, K, V] = {list(expected)}, got {list(states.shape)}")
-    _check_supported(layer)
-    states = states.to(layer.device, torch.float32).contiguous()
-    slots = slots.to(layer.device, torch.int32).contiguous()
-    launch(layer, slots, None, None, None, None, None, None, states, part="pack", scale=1.0,
+def pack(tables: FormatTables, pages: Pages, slots: torch.Tensor, states: torch.Tensor, *,
+         debug: dict | None = None) -> None:
+    """Quantize float states [N, H, K, V] into ``slots`` (-1: skip a row), as fused.fused_pack."""
+    check_states(tables, pages, slots, states)
+    _check_supported(tables)
+    states = states.to(tables.device, torch.float32).contiguous()
+    slots = slots.to(tables.device, torch.int32).contiguous()
+    launch(tables, pages, slots, None, None, None, None, None, None, states, part="pack", scale=1.0,
            use_qk_l2norm=False, debug=debug)

@@ -28,7 +28,6 @@ FP16 pivots are read and written per value as bytes / halves. Every access to a 
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 import triton
@@ -36,9 +35,9 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from stepquant.codecs.base import Grid
-from stepquant.pool import PackedLayer
+from stepquant.kernels.tables import FormatTables, Pages
 
-from .naive import check_token_inputs
+from .naive import check_states, check_token_inputs
 
 # 1.5 * 2^23: adding it rounds an FP32 |x| < 2^22 to an integer, half to even (round-to-nearest).
 MAGIC_RINT = tl.constexpr(12582912.0)
@@ -525,65 +524,32 @@ def _word_align(value_dim: int) -> int:
     return 2 if value_dim % 64 == 0 else 1
 
 
-def work_buffer(layer: PackedLayer, num_rows: int) -> torch.Tensor:
+def work_buffer(tables: FormatTables, num_rows: int) -> torch.Tensor:
     """Per (request, head) FP32 scratch: the new row scales [BK], then the readout's u [BV]."""
-    block_k, block_v = _blocks(layer)
-    return torch.empty(num_rows, layer.num_heads, block_k + block_v, dtype=torch.float32, device=layer.device)
+    block_k, block_v = _blocks(tables)
+    return torch.empty(num_rows, tables.num_heads, block_k + block_v, dtype=torch.float32,
+                       device=tables.device)
 
 
-def _blocks(layer: PackedLayer) -> tuple[int, int]:
-    return triton.next_power_of_2(layer.key_dim), max(triton.next_power_of_2(layer.value_dim), 8)
+def _blocks(tables: FormatTables) -> tuple[int, int]:
+    return triton.next_power_of_2(tables.key_dim), max(triton.next_power_of_2(tables.value_dim), 8)
 
 
-_HEAD_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def head_groups(layer: PackedLayer) -> list[tuple[torch.Tensor, int, int]]:
-    """The launches of one step: (head indices int32 on the layer's device, plane widths, uniform bits).
-
-    Heads whose rows all share one width b (GDN heads, FP16 pivot heads: b = 16) are grouped by b and
-    compiled with b known; heads with mixed rows (KDA) form one group compiled for the union of their
-    plane widths, with per-row widths read at run time.
-    """
-    cached = _HEAD_GROUPS.get(layer)
-    if cached is not None:
-        return cached
-    bits = layer.plan.bits.to(torch.int64)  # [H, K]
-    groups: dict[tuple[int, int], list[int]] = {}
-    mixed_planes = 0
-    for head in range(bits.shape[0]):
-        row_bits = bits[head]
-        planes = 0
-        for width in (16, 8, 4, 2, 1):
-            planes |= width if bool(((row_bits & width) != 0).any()) else 0
-        if bool((row_bits == row_bits[0]).all()):
-            groups.setdefault((planes, int(row_bits[0])), []).append(head)
-        else:
-            mixed_planes |= planes
-            groups.setdefault((-1, 0), []).append(head)
-    result = []
-    for (planes, uniform), members in sorted(groups.items(), key=lambda item: item[1][0]):
-        index = torch.tensor(members, dtype=torch.int32, device=layer.device)
-        result.append((index, mixed_planes if planes < 0 else planes, uniform))
-    _HEAD_GROUPS[layer] = result
-    return result
-
-
-def _launch(layer, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, use_update, debug,
+def _launch(tables, pages, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, use_update, debug,
             num_warps, part="fused", planes=None, work=None, block_rows=None):
     num_rows = slots.shape[0]
-    num_heads, key_dim, value_dim = layer.num_heads, layer.key_dim, layer.value_dim
-    block_k, block_v = _blocks(layer)
+    num_heads, key_dim, value_dim = tables.num_heads, tables.key_dim, tables.value_dim
+    block_k, block_v = _blocks(tables)
     align = _word_align(value_dim)
     readout = use_update and (part in ("fused", "readout") or work is None)
     store_u = part == "readout" and work is not None
     if work is None:
-        work = work_buffer(layer, num_rows)
-    dbg_x = dbg_c = layer.row_winv  # unused unless debug
+        work = work_buffer(tables, num_rows)
+    dbg_x = dbg_c = tables.row_winv  # unused unless debug
     if debug is not None:
-        dbg_x = torch.full((num_rows, num_heads, block_k, block_v), float("nan"), device=layer.device)
-        dbg_c = torch.full((num_rows, num_heads, block_v), float("nan"), device=layer.device)
-    col_scale = layer.col_scale if layer.col_scale is not None else layer.row_scale
+        dbg_x = torch.full((num_rows, num_heads, block_k, block_v), float("nan"), device=tables.device)
+        dbg_c = torch.full((num_rows, num_heads, block_v), float("nan"), device=tables.device)
+    col_scale = pages.col_scale if pages.col_scale is not None else pages.row_scale
     num_q_heads = q.shape[1] if use_update else num_heads
     # defaults from the H200 sweep (benchmarks/results, B = 512): every part is latency-bound, so many
     # small programs (8 key rows per tile) win; the readout alone runs best as one warp per head
@@ -592,12 +558,12 @@ def _launch(layer, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, us
     if num_warps is None:
         num_warps = 1 if part == "readout" else 2
     if planes is None:
-        groups = head_groups(layer)
+        groups = tables.head_groups
     else:  # one launch for every head, compiled for the given plane widths
-        groups = [(torch.arange(num_heads, dtype=torch.int32, device=layer.device), planes, 0)]
+        groups = [(torch.arange(num_heads, dtype=torch.int32, device=tables.device), planes, 0)]
     for heads, group_planes, uniform_bits in groups:
-        _launch_group(layer, slots, heads, group_planes, uniform_bits, q, k, v, g, beta, y, x_in, work,
-                      dbg_x, dbg_c, col_scale, scale=scale, num_q_heads=num_q_heads, align=align,
+        _launch_group(tables, pages, slots, heads, group_planes, uniform_bits, q, k, v, g, beta, y, x_in,
+                      work, dbg_x, dbg_c, col_scale, scale=scale, num_q_heads=num_q_heads, align=align,
                       block_k=block_k, block_v=block_v, block_rows=block_rows, use_update=use_update,
                       readout=readout, store_u=store_u, part=part, use_qk_l2norm=use_qk_l2norm,
                       debug=debug is not None, num_warps=num_warps)
@@ -606,29 +572,29 @@ def _launch(layer, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, us
         debug["c"] = dbg_c[:, :, :value_dim]
 
 
-def _launch_group(layer, slots, heads, planes, uniform_bits, q, k, v, g, beta, y, x_in, work, dbg_x, dbg_c,
-                  col_scale, *, scale, num_q_heads, align, block_k, block_v, block_rows, use_update, readout,
-                  store_u, part, use_qk_l2norm, debug, num_warps):
-    plan = layer.plan
+def _launch_group(tables, pages, slots, heads, planes, uniform_bits, q, k, v, g, beta, y, x_in, work, dbg_x,
+                  dbg_c, col_scale, *, scale, num_q_heads, align, block_k, block_v, block_rows, use_update,
+                  readout, store_u, part, use_qk_l2norm, debug, num_warps):
+    config = tables.format.config
     packed_step_kernel[(slots.shape[0], heads.shape[0])](
         q, k, v, g, beta, y, x_in,
         slots,
         heads,
-        layer.codes, layer.row_scale, col_scale,
-        layer.row_table, layer.head_table,
-        layer.row_winv, layer.row_w2, layer.row_gain,
+        pages.codes, pages.row_scale, col_scale,
+        tables.row_table, tables.head_table,
+        tables.row_winv, tables.row_w2, tables.row_gain,
         work,
         dbg_x, dbg_c,
         scale,
-        layer.layout.words_per_slot // align,
-        layer.layout.num_scaled_heads,
+        tables.words_per_slot // align,
+        tables.num_scaled_heads,
         WORD_ALIGN=align,
         PLANES=planes,
         UNIFORM_BITS=uniform_bits,
-        H=layer.num_heads,
+        H=tables.num_heads,
         HQ=num_q_heads,
-        K=layer.key_dim,
-        V=layer.value_dim,
+        K=tables.key_dim,
+        V=tables.value_dim,
         BK=block_k,
         BV=block_v,
         BKB=block_rows,
@@ -639,11 +605,11 @@ def _launch_group(layer, slots, heads, planes, uniform_bits, q, k, v, g, beta, y
         STORE_U=store_u,
         WRITEBACK=part in ("fused", "writeback"),
         USE_QK_L2NORM=use_qk_l2norm,
-        USE_DUAL_AXIS=plan.has_col_scale,
-        IS_RMS=plan.config.row_stat == "rms",
-        IS_MIDRISE=plan.grid is Grid.MIDRISE,
-        REFIT_ITERS=plan.config.refit_iters,
-        RECIP=plan.has_col_scale and plan.config.division == "reciprocal",
+        USE_DUAL_AXIS=tables.has_col_scale,
+        IS_RMS=config.row_stat == "rms",
+        IS_MIDRISE=tables.grid is Grid.MIDRISE,
+        REFIT_ITERS=config.refit_iters,
+        RECIP=tables.has_col_scale and config.division == "reciprocal",
         STORE_DEBUG=debug,
         APPROX_RCP=not _INTERPRETED,
         num_warps=num_warps,
@@ -653,8 +619,9 @@ def _launch_group(layer, slots, heads, planes, uniform_bits, q, k, v, g, beta, y
 PARTS = ("fused", "readout", "writeback")
 
 
-def fused_packed_decode(
-    layer: PackedLayer,
+def fused_decode(
+    tables: FormatTables,
+    pages: Pages,
     slots: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -672,7 +639,7 @@ def fused_packed_decode(
     block_rows: int | None = None,
     planes: int | None = None,
 ) -> torch.Tensor:
-    """One decode token for N requests whose states live in ``layer``'s slots; returns y [N, H, V].
+    """One decode token for N requests whose states live in ``pages``' slots; returns y [N, H, V].
 
     slots int32 [N] (-1: skip the row, its output and every slot untouched); q, k [N, H_k, K];
     v [N, H, V]; g [N, H] (GDN) or [N, H, K] (KDA) log decays; beta [N, H]. Value head h reads q/k head
@@ -683,34 +650,47 @@ def fused_packed_decode(
     writeback starts from it; without, the writeback recomputes it. debug (a dict) receives "x": the
     float state X [N, H, K, V] the kernel requantized, and "c": the column scales [N, H, V] its codes
     were computed against. num_warps, block_rows (key rows per tile) and planes (plane widths compiled
-    in; default those the plan uses) are tuning knobs.
+    in; default those the format uses) are tuning knobs.
     """
-    check_token_inputs(layer, slots, q, k, v, g, beta)
+    check_token_inputs(tables, pages, slots, q, k, v, g, beta)
     if part not in PARTS:
         raise ValueError(f"part must be one of {PARTS}, got {part!r}")
     q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
     if out is None:
-        out = torch.zeros(v.shape[0], layer.num_heads, layer.value_dim, dtype=v.dtype, device=v.device)
-    scale = layer.key_dim**-0.5 if scale is None else float(scale)
-    _launch(layer, slots.to(torch.int32).contiguous(), q, k, v, g, beta, out, q, scale=scale,
+        out = torch.zeros(v.shape[0], tables.num_heads, tables.value_dim, dtype=v.dtype, device=v.device)
+    scale = tables.key_dim**-0.5 if scale is None else float(scale)
+    _launch(tables, pages, slots.to(torch.int32).contiguous(), q, k, v, g, beta, out, q, scale=scale,
             use_qk_l2norm=use_qk_l2norm, use_update=True, debug=debug, num_warps=num_warps, part=part,
             planes=planes, work=work, block_rows=block_rows)
     return out
 
 
-def fused_pack_states(
-    layer: PackedLayer,
+def fused_pack(
+    tables: FormatTables,
+    pages: Pages,
     slots: torch.Tensor,
     states: torch.Tensor,
     *,
     debug: dict | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Quantize float states [N, H, K, V] with the layer's quantizer into ``slots`` (-1: skip a row)."""
-    expected = (slots.shape[0], layer.num_heads, layer.key_dim, layer.value_dim)
-    if tuple(states.shape) != expected:
-        raise ValueError(f"states must have shape [N, H, K, V] = {list(expected)}, got {list(states.shape)}")
+    """Quantize float states [N, H, K, V] with the format's quantizer into ``slots`` (-1: skip a row)."""
+    check_states(tables, pages, slots, states)
     states = states.contiguous()
-    dummy = layer.row_winv
-    _launch(layer, slots.to(torch.int32).contiguous(), dummy, dummy, dummy, dummy, dummy, dummy, states,
-            scale=1.0, use_qk_l2norm=False, use_update=False, debug=debug, num_warps=num_warps)
+    dummy = tables.row_winv
+    _launch(tables, pages, slots.to(torch.int32).contiguous(), dummy, dummy, dummy, dummy, dummy, dummy,
+            states, scale=1.0, use_qk_l2norm=False, use_update=False, debug=debug, num_warps=num_warps)
+
+
+# ---------------------------------------------------------------- on a pool layer (pool.PackedLayer)
+
+def fused_packed_decode(layer, slots: torch.Tensor, q, k, v, g, beta, **options) -> torch.Tensor:
+    """:func:`fused_decode` on a pool.PackedLayer's tables and pages (after its pending writeback)."""
+    layer.wait_writes()
+    return fused_decode(layer.tables, layer.pages, slots, q, k, v, g, beta, **options)
+
+
+def fused_pack_states(layer, slots: torch.Tensor, states: torch.Tensor, **options) -> None:
+    """:func:`fused_pack` on a pool.PackedLayer."""
+    layer.wait_writes()
+    fused_pack(layer.tables, layer.pages, slots, states, **options)

@@ -2,22 +2,27 @@
 
 Built from the modules that define the format and the method, so the kernels are judged against them
 and nothing here re-derives their logic: ``packing.unpack`` -> ``QState.dequantize`` -> one
-``recurrence.step`` (readout from X, before requantizing) -> the layer's codec ``encode`` ->
-``packing.pack`` -> written back into the pool slots. Runs on any device; it is also the CPU path
-of :func:`stepquant.kernels.decode.decode_step_packed`.
+``recurrence.step`` (readout from X, before requantizing) -> the layer format's codec ``encode`` ->
+``packing.pack`` -> written back into the slots. Runs on any device; it is also the CPU path
+of :func:`stepquant.kernels.decode.decode_step`.
+
+Every function takes the layer's ``tables`` and ``pages`` (stepquant.kernels.tables); the
+``naive_packed_decode`` / ``naive_pack_states`` / ``naive_unpack_states`` forms take a
+``pool.PackedLayer`` instead and run on its tables and pages.
 """
 
 from __future__ import annotations
 
 import torch
 
-from stepquant.packing import pack, unpack
-from stepquant.pool import PackedLayer
+from stepquant.codecs.packing import pack, unpack
+from stepquant.kernels.tables import FormatTables, Pages, check_pages
 from stepquant.recurrence import prepare_qk, step
 
 
-def naive_packed_decode(
-    layer: PackedLayer,
+def naive_decode(
+    tables: FormatTables,
+    pages: Pages,
     slots: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -31,26 +36,27 @@ def naive_packed_decode(
     part: str = "fused",
     debug: dict | None = None,
 ) -> torch.Tensor:
-    """One decode token for N requests whose states live in ``layer``'s slots; returns y [N, H, V].
+    """One decode token for N requests whose states live in ``pages``' slots; returns y [N, H, V].
 
     slots int [N] (-1: skip the row, its output and every slot untouched); q, k [N, H_k, K]; v [N, H, V];
     g [N, H] (GDN) or [N, H, K] (KDA) log decays; beta [N, H]. The slots are updated in place.
     part: "fused" (both), "readout" (y only) or "writeback" (slots only), as the Triton kernel.
     debug (a dict) receives "x": the float state X [n, H, K, V] of the active rows before requantizing.
     """
+    check_pages(tables, pages)
     num_rows = v.shape[0]
     if out is None:
-        out = torch.zeros(num_rows, layer.num_heads, layer.value_dim, dtype=v.dtype, device=v.device)
+        out = torch.zeros(num_rows, tables.num_heads, tables.value_dim, dtype=v.dtype, device=v.device)
     active = torch.nonzero(slots.to(torch.int64) >= 0).flatten().to(v.device)
     if active.numel() == 0:
         return out
     slot_ids = slots.to(torch.int64)[active.to(slots.device)]
-    states = unpack(layer.gather(slot_ids)).dequantize()  # [n, H, K, V]
+    states = unpack(pages.gather(tables, slot_ids)).dequantize()  # [n, H, K, V]
     mode = "kda" if g.dim() == 3 else "gdn"
     b_q, b_k = prepare_qk(q[active], k[active], scale=scale, use_qk_l2norm=use_qk_l2norm, mode=mode)
     x, y = step(states.to(v.device), b_q, b_k, v[active], g[active], beta[active])
     if part in ("fused", "writeback"):
-        layer.scatter(slot_ids, pack(layer.plan.codec().encode(x), layer.layout))
+        pages.scatter(tables, slot_ids, pack(tables.format.codec().encode(x), tables.layout))
     if part in ("fused", "readout"):
         out[active] = y.to(out.dtype)
     if debug is not None:
@@ -58,26 +64,29 @@ def naive_packed_decode(
     return out
 
 
-def naive_pack_states(layer: PackedLayer, slots: torch.Tensor, states: torch.Tensor) -> None:
-    """Quantize FP32 states [N, H, K, V] with the layer's codec and write them into ``slots`` (-1: skip)."""
+def naive_pack(tables: FormatTables, pages: Pages, slots: torch.Tensor, states: torch.Tensor) -> None:
+    """Quantize FP32 states [N, H, K, V] with the format's codec and write them into ``slots`` (-1: skip)."""
+    check_pages(tables, pages)
     active = torch.nonzero(slots.to(torch.int64) >= 0).flatten()
     if active.numel() == 0:
         return
     slot_ids = slots.to(torch.int64)[active]
-    encoded = layer.plan.codec().encode(states[active.to(states.device)])
-    layer.scatter(slot_ids, pack(encoded, layer.layout))
+    encoded = tables.format.codec().encode(states[active.to(states.device)])
+    pages.scatter(tables, slot_ids, pack(encoded, tables.layout))
 
 
-def naive_unpack_states(layer: PackedLayer, slots: torch.Tensor) -> torch.Tensor:
+def naive_unpack(tables: FormatTables, pages: Pages, slots: torch.Tensor) -> torch.Tensor:
     """FP32 states [N, H, K, V] of ``slots`` (every index must be a valid slot)."""
-    return unpack(layer.gather(slots.to(torch.int64))).dequantize()
+    check_pages(tables, pages)
+    return unpack(pages.gather(tables, slots.to(torch.int64))).dequantize()
 
 
-def check_token_inputs(layer: PackedLayer, slots: torch.Tensor, q, k, v, g, beta, *,
+def check_token_inputs(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta, *,
                        chunk: bool = False) -> None:
-    """ValueError naming the argument and its shape unless the inputs fit ``layer`` and the rows of
+    """ValueError naming the argument and its shape unless the inputs fit the layer and the rows of
     ``slots``: one decode token (q, k [N, H_k, K]) or, with chunk=True, T tokens (q, k [N, T, H_k, K])."""
-    heads, key_dim, value_dim = layer.num_heads, layer.key_dim, layer.value_dim
+    check_pages(tables, pages)
+    heads, key_dim, value_dim = tables.num_heads, tables.key_dim, tables.value_dim
     if slots.dim() != 1:
         raise ValueError(f"slots must be one slot index per request, shape [N]; got {list(slots.shape)}")
     rows, dims = slots.shape[0], "N, T" if chunk else "N"
@@ -95,3 +104,31 @@ def check_token_inputs(layer: PackedLayer, slots: torch.Tensor, q, k, v, g, beta
                          f"{[*lead, heads, key_dim]}, got {list(g.shape)}")
     if list(beta.shape) != [*lead, heads]:
         raise ValueError(f"beta must have shape [{dims}, H] = {[*lead, heads]}, got {list(beta.shape)}")
+
+
+def check_states(tables: FormatTables, pages: Pages, slots: torch.Tensor, states: torch.Tensor) -> None:
+    """ValueError unless ``states`` is [N, H, K, V] for the N rows of ``slots`` (the boundary pack)."""
+    check_pages(tables, pages)
+    expected = (slots.shape[0], tables.num_heads, tables.key_dim, tables.value_dim)
+    if tuple(states.shape) != expected:
+        raise ValueError(f"states must have shape [N, H, K, V] = {list(expected)}, got {list(states.shape)}")
+
+
+# ---------------------------------------------------------------- on a pool layer (pool.PackedLayer)
+
+def naive_packed_decode(layer, slots: torch.Tensor, q, k, v, g, beta, **options) -> torch.Tensor:
+    """:func:`naive_decode` on a pool.PackedLayer's tables and pages (after its pending writeback)."""
+    layer.wait_writes()
+    return naive_decode(layer.tables, layer.pages, slots, q, k, v, g, beta, **options)
+
+
+def naive_pack_states(layer, slots: torch.Tensor, states: torch.Tensor) -> None:
+    """:func:`naive_pack` on a pool.PackedLayer."""
+    layer.wait_writes()
+    naive_pack(layer.tables, layer.pages, slots, states)
+
+
+def naive_unpack_states(layer, slots: torch.Tensor) -> torch.Tensor:
+    """:func:`naive_unpack` on a pool.PackedLayer."""
+    layer.wait_writes()
+    return naive_unpack(layer.tables, layer.pages, slots)

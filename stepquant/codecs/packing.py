@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS, Grid, QState
+from .base import MAX_BITS, MIN_BITS, PIVOT_BITS, Grid, QState
 
 WORD_BITS = 32
 # Every plane width that occurs, widest first: the order planes are laid out in a row.
@@ -106,8 +106,9 @@ def _validate_bits_tensor(bits: torch.Tensor, name: str = "bits") -> torch.Tenso
 class PackedLayout:
     """Where everything of one layer's slot lives, fixed by the plan ``bits [H, K]`` and ``value_dim``.
 
-    Built once per layer (on the CPU) and shared by every slot; kernels copy the int32 tables to the
-    device. Index tables use the flat row index ``r = h * K + i``.
+    Built once per layer (on the CPU, ``LayerFormat.layout``) and shared by every slot; the kernels'
+    FormatTables copy the int32 tables to the device. Index tables use the flat row index ``r = h * K + i``.
+    ``bytes_per_slot`` / ``analytical_bytes`` are the one byte count of a layer's packed state.
 
     bits:               int8  [H, K]      bit width per key row (2..8, or 16 for an FP16 pivot row)
     row_words:          int32 [H*K]       words each row takes
@@ -137,10 +138,21 @@ class PackedLayout:
     analytical_bytes: int = field(init=False)
 
     def __post_init__(self) -> None:
-        bits = _validate_bits_tensor(self.bits)  # int64 [H, K] on the CPU
-        value_dim = _check_value_dim(self.value_dim)
-        if not isinstance(self.has_col_scale, bool):
-            raise TypeError(f"has_col_scale must be a bool, got {self.has_col_scale!r}")
+        self._build(_validate_bits_tensor(self.bits), self.value_dim, self.has_col_scale)
+
+    @classmethod
+    def _of_checked(cls, bits: torch.Tensor, value_dim: int, has_col_scale: bool) -> PackedLayout:
+        """The layout of a bit table validated already (a LayerFormat's int8 [H, K] on the CPU), without
+        validating it again."""
+        layout = object.__new__(cls)
+        layout._build(bits.to(torch.int64), value_dim, has_col_scale)
+        return layout
+
+    def _build(self, bits: torch.Tensor, value_dim: int, has_col_scale: bool) -> None:
+        """Every field from valid bits (int64 [H, K], CPU)."""
+        value_dim = _check_value_dim(value_dim)
+        if not isinstance(has_col_scale, bool):
+            raise TypeError(f"has_col_scale must be a bool, got {has_col_scale!r}")
         num_heads, key_dim = bits.shape
         flat = bits.reshape(-1)  # [H*K]
 
@@ -163,10 +175,11 @@ class PackedLayout:
         words = int(row_word_count.sum())
         if words >= 2**31:
             raise ValueError(f"a slot of {words} words does not fit int32 offsets; split the layer")
-        scale_values = key_dim + value_dim if self.has_col_scale else key_dim
+        scale_values = key_dim + value_dim if has_col_scale else key_dim
         set_ = lambda name, value: object.__setattr__(self, name, value)
         set_("bits", bits.to(torch.int8))
         set_("value_dim", value_dim)
+        set_("has_col_scale", has_col_scale)
         set_("num_heads", int(num_heads))
         set_("key_dim", int(key_dim))
         set_("row_words", row_word_count.to(torch.int32))
