@@ -536,7 +536,7 @@ def _blocks(tables: FormatTables) -> tuple[int, int]:
 
 
 def _launch(tables, pages, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2norm, use_update, debug,
-            num_warps, part="fused", planes=None, work=None, block_rows=None):
+            num_warps, part="fused", work=None, block_rows=None):
     num_rows = slots.shape[0]
     num_heads, key_dim, value_dim = tables.num_heads, tables.key_dim, tables.value_dim
     block_k, block_v = _blocks(tables)
@@ -557,11 +557,7 @@ def _launch(tables, pages, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2
         block_rows = min(block_k, 8)
     if num_warps is None:
         num_warps = 1 if part == "readout" else 2
-    if planes is None:
-        groups = tables.head_groups
-    else:  # one launch for every head, compiled for the given plane widths
-        groups = [(torch.arange(num_heads, dtype=torch.int32, device=tables.device), planes, 0)]
-    for heads, group_planes, uniform_bits in groups:
+    for heads, group_planes, uniform_bits in tables.head_groups:
         _launch_group(tables, pages, slots, heads, group_planes, uniform_bits, q, k, v, g, beta, y, x_in,
                       work, dbg_x, dbg_c, col_scale, scale=scale, num_q_heads=num_q_heads, align=align,
                       block_k=block_k, block_v=block_v, block_rows=block_rows, use_update=use_update,
@@ -637,7 +633,6 @@ def fused_decode(
     debug: dict | None = None,
     num_warps: int | None = None,
     block_rows: int | None = None,
-    planes: int | None = None,
 ) -> torch.Tensor:
     """One decode token for N requests whose states live in ``pages``' slots; returns y [N, H, V].
 
@@ -649,8 +644,7 @@ def fused_decode(
     ``work`` (from :func:`work_buffer`) the readout leaves the update's u there and the
     writeback starts from it; without, the writeback recomputes it. debug (a dict) receives "x": the
     float state X [N, H, K, V] the kernel requantized, and "c": the column scales [N, H, V] its codes
-    were computed against. num_warps, block_rows (key rows per tile) and planes (plane widths compiled
-    in; default those the format uses) are tuning knobs.
+    were computed against. num_warps and block_rows (key rows per tile) are tuning knobs.
     """
     check_token_inputs(tables, pages, slots, q, k, v, g, beta)
     if part not in PARTS:
@@ -661,7 +655,7 @@ def fused_decode(
     scale = tables.key_dim**-0.5 if scale is None else float(scale)
     _launch(tables, pages, slots.to(torch.int32).contiguous(), q, k, v, g, beta, out, q, scale=scale,
             use_qk_l2norm=use_qk_l2norm, use_update=True, debug=debug, num_warps=num_warps, part=part,
-            planes=planes, work=work, block_rows=block_rows)
+            work=work, block_rows=block_rows)
     return out
 
 
