@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU check and decode benchmark in one call (H200, no internet): installs the wheels carried under
-# .whl/ (fla-core; transformers), prints versions, runs the GPU tests, runs the benchmark, and leaves
-# logs and results in $OUT (default benchmarks/results): env.txt, gpu_tests.log, bench.log, bench_decode.json,
-# bench_decode.md, ncu.txt (counters of one readout, writeback and fused launch; NO_NCU=1 skips;
-# NO_BENCH=1 stops after the tests).
-# Prints the benchmark's table and JSON line last.
+# .whl/ (fla-core; transformers), prints versions, builds the CUDA kernel's libraries (build_cuda.log),
+# runs the CUDA kernel's GPU tests, the benchmark, the serving GPU tests, ncu on the CUDA kernel and the
+# Triton kernel's GPU tests, in that order (each step time-boxed: *_TIMEOUT variables), and leaves logs
+# and results in $OUT (default benchmarks/results): env.txt, build_cuda.log, gpu_tests.log, bench.log,
+# bench_decode.json, bench_decode.md, ncu.txt (NO_NCU=1 skips; NO_BENCH=1 stops after the kernel tests;
+# NO_TRITON_TESTS=1 skips the last step). About 10 minutes in all.
 #
 #   OUT=/some/dir bash benchmarks/h200_run.sh          (BENCH_ARGS=--quick for a shorter benchmark)
 set -uo pipefail
@@ -69,7 +70,7 @@ if [ "$status" -ne 0 ]; then
     tail -n 25 "$OUT/bench.log"
 fi
 
-gpu_tests tests/test_gpu_serving.py "${SERVING_TEST_TIMEOUT:-150}"
+gpu_tests tests/test_gpu_serving.py "${SERVING_TEST_TIMEOUT:-360}"  # fla autotunes its chunk kernels: minutes
 
 if command -v ncu > /dev/null && [ -z "${NO_NCU:-}" ]; then
     echo "== ncu: readout, writeback and fused launches at B = 512 (benchmarks/ncu_step.py)"
