@@ -320,8 +320,9 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
         todo = [("cuda fused (reciprocal, 1 refit)", "dual_axis", RECIPROCAL_1, "fused", "cuda"),
                 ("cuda fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "cuda")]
         if bits in args.split_bits:
-            todo += [("cuda fused (reciprocal, 1 refit) 1 CTA/SM", "dual_axis", RECIPROCAL_1, "fused",
-                      "cuda1"),
+            todo += [("cuda fused (reciprocal, 1 refit) 16 warps", "dual_axis", RECIPROCAL_1, "fused",
+                      "cuda-16w"),
+                     ("cuda readout (split) 16 warps", "dual_axis", RECIPROCAL_1, "readout", "cuda-16w"),
                      ("cuda readout (split)", "dual_axis", RECIPROCAL_1, "readout", "cuda"),
                      ("cuda writeback (split)", "dual_axis", RECIPROCAL_1, "writeback", "cuda"),
                      ("triton fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "triton")]
@@ -329,7 +330,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
         for variant, spatial, config, part, backend in todo:
             if backend.startswith("cuda") and not use_cuda:
                 continue
-            cuda.TUNING["SQ_MIN_BLOCKS"] = 1 if backend == "cuda1" else 2
+            cuda.TUNING["SQ_ROWS"] = 8 if backend == "cuda-16w" else 16  # 16 warps of 8 key rows per CTA
             table = uniform if spatial == "absmax" else plan
             slot_bytes = LayerFormat(table, None, spatial).bytes(VALUE_DIM)
             layer = make_layer(table, spatial, rotation_groups(max_batch * slot_bytes) * max_batch, config)
@@ -365,7 +366,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 except Exception:
                     log(traceback.format_exc())
             del layer
-            cuda.TUNING["SQ_MIN_BLOCKS"] = 2
+            cuda.TUNING["SQ_ROWS"] = 16
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
 
@@ -375,9 +376,11 @@ def check(name: str, spec: dict) -> list[dict]:
     heads, key_heads, kda = spec["heads"], spec["key_heads"], spec["kda"]
     kernels = [("triton", EXACT_2, fused_decode)]
     if DEVICE == "cuda" and cuda.nvcc_path() is not None:
-        kernels += [("cuda", EXACT_2, cuda.decode), ("cuda", RECIPROCAL_1, cuda.decode)]
+        kernels += [("cuda", EXACT_2, cuda.decode), ("cuda", RECIPROCAL_1, cuda.decode),
+                    ("cuda-16w", RECIPROCAL_1, cuda.decode)]
     results = []
     for backend, config, fn in kernels:
+        cuda.TUNING["SQ_ROWS"] = 8 if backend == "cuda-16w" else 16
         layer = make_layer(synthetic_plan(name, 6, heads), "dual_axis", 8, config)
         twin = PackedLayer(layer.format, 8, VALUE_DIM, DEVICE)
         for a, b in zip(twin.tensors(), layer.tensors(), strict=True):
@@ -397,6 +400,7 @@ def check(name: str, spec: dict) -> list[dict]:
                             codes_equal_fraction=float((got.codes == want.codes).float().mean()),
                             row_scales_equal_fraction=float((got.row_scale == want.row_scale).float().mean()),
                             ))
+    cuda.TUNING["SQ_ROWS"] = 16
     return results
 
 

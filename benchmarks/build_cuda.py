@@ -49,14 +49,16 @@ def main(argv=None) -> int:
     target = f"{major}{minor}"
     started = time.time()
     unique = {}
-    # the benchmark also times the fused step compiled for one CTA per multiprocessor
-    configs = CONFIGS + [("dual_axis", RECIPROCAL_1, "fused", kda, "1 CTA/SM") for kda in (False, True)]
+    # the benchmark also times the fused step and the readout compiled for 16 warps of 8 key rows
+    configs = CONFIGS + [("dual_axis", RECIPROCAL_1, part, kda, "16 warps") for kda in (False, True)
+                         for part in ("fused", "readout")]
+    rows = cuda.TUNING["SQ_ROWS"]  # the default, or STEPQUANT_CUDA_ROWS
     for spatial, quantizer, part, kda, debug in configs:
-        cuda.TUNING["SQ_MIN_BLOCKS"] = 1 if debug == "1 CTA/SM" else 2
+        cuda.TUNING["SQ_ROWS"] = 8 if debug == "16 warps" else rows
         bits = torch.full((1, 16), 6, dtype=torch.int8)
         tables = FormatTables(LayerFormat(bits, None, spatial, quantizer), 128)
         unique[cuda.defines_for(tables, part, kda, debug is True)] = None
-    cuda.TUNING["SQ_MIN_BLOCKS"] = 2
+    cuda.TUNING["SQ_ROWS"] = rows
 
     def one(defines):
         t0 = time.time()

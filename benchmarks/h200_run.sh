@@ -50,6 +50,10 @@ echo "== CUDA decode kernel: nvcc builds of every configuration the tests and th
 timeout ${BUILD_TIMEOUT:-240} python3 benchmarks/build_cuda.py --jobs "$(nproc)" > "$OUT/build_cuda.log" 2>&1
 echo "build exit $? (log: $OUT/build_cuda.log)"
 tail -n 1 "$OUT/build_cuda.log"
+# the same configurations compiled for 16 warps of 8 key rows (STEPQUANT_CUDA_ROWS=8), tested below
+STEPQUANT_CUDA_ROWS=8 timeout ${BUILD_TIMEOUT:-240} python3 benchmarks/build_cuda.py --jobs "$(nproc)" \
+    >> "$OUT/build_cuda.log" 2>&1
+echo "build (8 rows per warp) exit $?"
 
 # GPU tests, one file at a time, each test time-boxed (pytest-timeout) so a hang names itself
 gpu_tests() {  # file, seconds
@@ -60,6 +64,8 @@ gpu_tests() {  # file, seconds
     tail -n 3 "$OUT/gpu_tests.log"
 }
 gpu_tests tests/test_cuda_kernel.py "${CUDA_TEST_TIMEOUT:-150}"
+echo "== the same, the kernel compiled for 16 warps of 8 key rows" | tee -a "$OUT/gpu_tests.log"
+STEPQUANT_CUDA_ROWS=8 gpu_tests tests/test_cuda_kernel.py "${CUDA_TEST_TIMEOUT:-150}"
 
 if [ -n "${NO_BENCH:-}" ]; then exit 0; fi
 echo "== decode benchmark"
@@ -70,13 +76,13 @@ if [ "$status" -ne 0 ]; then
     tail -n 25 "$OUT/bench.log"
 fi
 
-gpu_tests tests/test_gpu_serving.py "${SERVING_TEST_TIMEOUT:-360}"  # fla autotunes its chunk kernels: minutes
+[ -n "${NO_SERVING_TESTS:-}" ] || gpu_tests tests/test_gpu_serving.py "${SERVING_TEST_TIMEOUT:-360}"  # fla autotunes: minutes
 
 if command -v ncu > /dev/null && [ -z "${NO_NCU:-}" ]; then
-    echo "== ncu: readout, writeback and fused launches at B = 512 (benchmarks/ncu_step.py)"
+    echo "== ncu: readout, writeback, fused (8 and 16 warps) launches at B = 512 (benchmarks/ncu_step.py)"
     timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
         --section WarpStateStats --section SchedulerStats -k regex:packed_step_kernel --launch-skip 3 \
-        --launch-count 3 python3 benchmarks/ncu_step.py > "$OUT/ncu.txt" 2>&1
+        --launch-count 5 python3 benchmarks/ncu_step.py > "$OUT/ncu.txt" 2>&1
     echo "ncu exit $? (report: $OUT/ncu.txt)"
 fi
 [ -n "${NO_TRITON_TESTS:-}" ] || gpu_tests tests/test_kernels.py "${TRITON_TEST_TIMEOUT:-200}"

@@ -29,7 +29,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stepquant.kernels.decode import cuda  # noqa: E402
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-VALUES_PER_THREAD = 64  # a 16 x 4 tile per thread
 
 
 def main(argv=None) -> int:
@@ -39,10 +38,14 @@ def main(argv=None) -> int:
     parser.add_argument("--division", choices=["reciprocal", "exact"], default="reciprocal")
     parser.add_argument("--refits", type=int, default=1)
     parser.add_argument("--kda", action="store_true", help="a gate per key row")
+    parser.add_argument("--rows", type=int, default=cuda.TUNING["SQ_ROWS"],
+                        help="key rows per warp (SQ_ROWS: 16 = 8 warps per CTA, 8 = 16 warps)")
     args = parser.parse_args(argv)
     defines = {"SQ_PART": cuda.PARTS[args.part], "SQ_DUAL": 1, "SQ_MIDRISE": 1,
                "SQ_RECIP": int(args.division == "reciprocal"), "SQ_RMS": 1, "SQ_KDA": int(args.kda),
-               "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_DEBUG": 0, "SQ_ONLY_KIND": args.kind}
+               "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_DEBUG": 0, "SQ_ONLY_KIND": args.kind,
+               "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": cuda.TUNING["SQ_MIN_BLOCKS"]}
+    values_per_thread = 4 * args.rows  # a rows x 4 tile per thread
     nvcc = cuda.nvcc_path()
     if nvcc is None:
         print("needs nvcc", file=sys.stderr)
@@ -73,13 +76,13 @@ def main(argv=None) -> int:
     stretches.append(current)
     print(f"body kind {args.kind}, {args.part}, {args.division}/{args.refits} refits, "
           f"{'kda' if args.kda else 'gdn'}: {resources.group(1)} registers, {stack.group(1)} B stack")
-    print(f"{len(ops)} instructions = {len(ops) / VALUES_PER_THREAD:.1f} per state value")
+    print(f"{len(ops)} instructions = {len(ops) / values_per_thread:.1f} per state value")
     for i, stretch in enumerate(stretches):
         top = collections.Counter(op.split(".")[0] for op in stretch).most_common(5)
-        per_value = len(stretch) / VALUES_PER_THREAD
+        per_value = len(stretch) / values_per_thread
         print(f"  stretch {i:2d} (to barrier {i + 1}): {per_value:5.1f} per value   {top}")
     print(json.dumps({"kind": args.kind, "part": args.part, "registers": int(resources.group(1)),
-                      "instructions": len(ops), "per_value": round(len(ops) / VALUES_PER_THREAD, 2)}))
+                      "instructions": len(ops), "per_value": round(len(ops) / values_per_thread, 2)}))
     return 0
 
 

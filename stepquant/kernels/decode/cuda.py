@@ -39,8 +39,19 @@ VALUE_DIM = 128  # four value columns per lane of a warp
 MAX_KEY_DIM = 128  # sixteen key rows per warp, eight warps
 KEY_DIM_STEP = 16  # K is a multiple of the rows of one warp
 PARTS = {"fused": 0, "readout": 1, "writeback": 2, "pack": 3}
-# tuning knobs compiled into the library (benchmarks/bench_decode.py times alternatives)
-TUNING = {"SQ_MIN_BLOCKS": 2}
+
+
+def _rows_per_warp() -> int:
+    rows = os.environ.get("STEPQUANT_CUDA_ROWS", "16")
+    if rows not in ("8", "16"):
+        raise ValueError(f"STEPQUANT_CUDA_ROWS={rows!r}: the CUDA kernel holds 8 or 16 key rows per warp")
+    return int(rows)
+
+
+# tuning knobs compiled into the library (benchmarks/bench_decode.py times alternatives): CTAs per
+# multiprocessor the registers must allow, key rows per warp (16: 8 warps per CTA, a 16 x 4 register tile per
+# thread; 8: 16 warps, 8 x 4; STEPQUANT_CUDA_ROWS overrides the default)
+TUNING = {"SQ_MIN_BLOCKS": 2, "SQ_ROWS": _rows_per_warp()}
 
 
 class _Params(ctypes.Structure):
@@ -49,7 +60,7 @@ class _Params(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "q", "k", "v", "g", "beta", "x_in", "y", "work", "slots", "codes", "row_scale", "col_scale",
         "heads", "row_info", "row_winv", "row_w2", "row_gain", "dbg_x", "dbg_c")] + [
-        ("scale", ctypes.c_float), ("slot_words", ctypes.c_longlong),
+        ("scale", ctypes.c_float), ("slot_words", ctypes.c_longlong), ("group_magic", ctypes.c_ulonglong),
         ("H", ctypes.c_int), ("HQ", ctypes.c_int), ("K", ctypes.c_int), ("num_scaled", ctypes.c_int),
         ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int)]
 
@@ -166,6 +177,7 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
     lib = _load(defines_for(tables, part, kda, debug is not None), _target(device))
     num_rows = slots.shape[0]
     heads, key_dim = tables.num_heads, tables.key_dim
+    key_heads = heads if q is None else q.shape[1]
     dbg_x = dbg_c = None
     if debug is not None:
         dbg_x = torch.full((num_rows, heads, key_dim, VALUE_DIM), float("nan"), device=device)
@@ -177,7 +189,7 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
         col_scale=_ptr(pages.col_scale), heads=_ptr(tables.head_info), row_info=_ptr(tables.row_table),
         row_winv=_ptr(tables.row_winv), row_w2=_ptr(tables.row_w2), row_gain=_ptr(tables.row_gain),
         dbg_x=_ptr(dbg_x), dbg_c=_ptr(dbg_c), scale=scale, slot_words=tables.words_per_slot,
-        H=heads, HQ=heads if q is None else q.shape[1], K=key_dim,
+        H=heads, HQ=key_heads, K=key_dim, group_magic=-(-(1 << 32) // (heads // key_heads)),
         num_scaled=tables.num_scaled_heads, l2norm=int(use_qk_l2norm),
         bf16_mask=sum(1 << i for i, t in enumerate((q, k, v, g, beta, y))
                       if t is not None and t.dtype == torch.bfloat16))

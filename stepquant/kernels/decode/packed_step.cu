@@ -54,6 +54,9 @@
 #ifndef SQ_MIN_BLOCKS
 #define SQ_MIN_BLOCKS 2  // CTAs per multiprocessor the register allocation must allow (__launch_bounds__)
 #endif
+#ifndef SQ_ROWS
+#define SQ_ROWS 16  // key rows per warp: 16 (8 warps, a 16 x 4 tile per thread) or 8 (16 warps, 8 x 4)
+#endif
 #ifndef SQ_CLIPPED
 #define SQ_CLIPPED 0x1C  // bit b set: clip_b < 1, codes of the first pass need the clamp
 #endif
@@ -84,19 +87,25 @@ struct Params {
     float* dbg_c;           // [N, H, V] or null: the column scales the stored codes were computed against
     float scale;            // q scale (after the optional L2 norm)
     long long slot_words;   // W
+    unsigned long long group_magic;  // ceil(2^32 / (H / HQ)): q/k head of head h = (h * group_magic) >> 32
     int H, HQ, K, num_scaled, l2norm;
     int bf16_mask;          // which of q, k, v, g, beta, y are BF16 (the rest FP32)
 };
 
 namespace {
 
-constexpr int NUM_WARPS = 8;
+constexpr int ROWS = SQ_ROWS;        // key rows per warp
+constexpr int MAX_K = 128;
+constexpr int NUM_WARPS = MAX_K / ROWS;
 constexpr int THREADS = NUM_WARPS * 32;
-constexpr int ROWS = 16;             // key rows per warp
 constexpr int COLS = 4;              // value columns per lane
 constexpr int V = 32 * COLS;         // value columns of a head (fixed at 128)
-constexpr int MAX_K = NUM_WARPS * ROWS;
-constexpr int ROW_PAD = 20;          // floats per lane in the row-partials buffer (conflict-free float4)
+constexpr int ROW_PAD = ROWS + 4;    // floats per lane in the row-partials buffer (conflict-free float4)
+constexpr int LANES_PER_ROW = 32 / ROWS;  // lanes that finish one row's statistic
+static_assert(ROWS == 8 || ROWS == 16, "a warp holds 8 or 16 key rows");
+
+// threads MAX_K .. MAX_K + V - 1 hold one value column each in the per-column steps
+__device__ __forceinline__ bool column_thread(int tid) { return tid >= MAX_K && tid < MAX_K + V; }
 constexpr float MAGIC_ROUND = 12582912.0f;  // 1.5 * 2^23: w = MAGIC_ROUND + code, bits(w) low bits = code
 constexpr float MAGIC_LEVEL = 4194304.0f;   // 2^22: bits 0x4A800000 | (code << 1) is 2^22 + code
 constexpr float FP16_MAX = 65504.0f;
@@ -120,7 +129,8 @@ struct Shared {
     float red[12];
     union {
         uint4 stage[STAGE_WORDS / 4];             // the head's code words (step 1)
-        float scratch[NUM_WARPS * 32 * ROW_PAD];  // column partials [q][warp][V] / row partials [warp][lane][pad]
+        float scratch[NUM_WARPS * 32 * ROW_PAD > 4 * NUM_WARPS * V ? NUM_WARPS * 32 * ROW_PAD : 4 * NUM_WARPS * V];
+        // column partials [q][warp][V] / row partials [warp][lane][pad]
     };
 };
 
@@ -217,24 +227,39 @@ __device__ __forceinline__ void pivot_values(const int* row, int lane, float* z)
     z[0] = lo.x; z[1] = lo.y; z[2] = hi.x; z[3] = hi.y;
 }
 
-// chunk of plane width W holding code bits O.. of the 4 codes (funnel shifts: no masks)
+// The lane's 4 codes of a row, a byte each (value c in byte c: b <= 8), from the FP32 bits of
+// w = MAGIC_ROUND + code (their low byte is the code; three byte permutes)
+__device__ __forceinline__ uint32_t code_bytes(const uint32_t* code) {
+    return __byte_perm(__byte_perm(code[0], code[1], 0x0040), __byte_perm(code[2], code[3], 0x0040), 0x5410);
+}
+
+// chunk of plane width W holding code bits O.. of the 4 codes in bytes (value c's bits at W c)
 template <int W, int O>
-__device__ __forceinline__ uint32_t plane_chunk(const uint32_t* code) {
-    uint32_t acc = 0;
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc = __funnelshift_r(acc, code[c] >> O, W);
-    return W == 8 ? acc : acc >> (32 - 4 * W);
+__device__ __forceinline__ uint32_t plane_chunk(uint32_t bytes) {
+    if constexpr (W == 8) {
+        return bytes;
+    } else if constexpr (W == 4) {  // O = 0: bytes 0 and 2 of (low nibble of byte c | low nibble of c+1 << 4)
+        const uint32_t pairs = (bytes & 0x0F0F0F0Fu) | ((bytes >> 4) & 0xF0F0F0F0u);
+        return __byte_perm(pairs, 0, 0x4420);  // bytes 2, 3: zero
+    } else {
+        // the W-bit fields at 8c + O moved to W c + S by one multiply: M has bits (3 - c)(8 - W), and
+        // the other products land on bits apart from [S, S + 4W) (and from each other: no carries)
+        constexpr uint32_t FIELD = ((1u << W) - 1) << O;
+        constexpr uint32_t M = 1u | (1u << (8 - W)) | (1u << (2 * (8 - W))) | (1u << (3 * (8 - W)));
+        constexpr int S = O + 3 * (8 - W);
+        return ((bytes & (FIELD * 0x01010101u)) * M) >> S & ((1u << (4 * W)) - 1);
+    }
 }
 
 template <int B>
-__device__ __forceinline__ void store_codes(int* row, int lane, const uint32_t* code) {
+__device__ __forceinline__ void store_codes(int* row, int lane, uint32_t bytes) {
     using P = Planes<B>;
     uint8_t* base = reinterpret_cast<uint8_t*>(row);
-    if constexpr (P::p8 >= 0) reinterpret_cast<uint32_t*>(base + 4 * P::p8)[lane] = plane_chunk<8, 0>(code);
-    if constexpr (P::p4 >= 0) reinterpret_cast<uint16_t*>(base + 4 * P::p4)[lane] = uint16_t(plane_chunk<4, 0>(code));
-    if constexpr (P::p2 >= 0) base[4 * P::p2 + lane] = uint8_t(plane_chunk<2, (B & ~3)>(code));
+    if constexpr (P::p8 >= 0) reinterpret_cast<uint32_t*>(base + 4 * P::p8)[lane] = plane_chunk<8, 0>(bytes);
+    if constexpr (P::p4 >= 0) reinterpret_cast<uint16_t*>(base + 4 * P::p4)[lane] = uint16_t(plane_chunk<4, 0>(bytes));
+    if constexpr (P::p2 >= 0) base[4 * P::p2 + lane] = uint8_t(plane_chunk<2, (B & ~3)>(bytes));
     if constexpr (P::p1 >= 0) {
-        uint32_t nib = plane_chunk<1, (B & ~1)>(code);                    // 4 bits
+        uint32_t nib = plane_chunk<1, (B & ~1)>(bytes);                    // 4 bits
         uint32_t pair = nib | (__shfl_xor_sync(0xffffffffu, nib, 1) << 4);  // with the odd lane's
         if ((lane & 1) == 0) base[4 * P::p1 + (lane >> 1)] = uint8_t(pair);
     }
@@ -367,9 +392,8 @@ __device__ __forceinline__ void pack_rows(const Shared& sm, int* head_codes, int
         const int info = sm.rinfo[first + rr];
         int* row = head_codes + ((info >> 5) - head_word);
         const uint32_t bytes = stash[rr];
-        const uint32_t code[COLS] = {bytes, bytes >> 8, bytes >> 16, bytes >> 24};  // planes take their bits
         by_width(info & 31, [&]<int BB>() {
-            if constexpr (BB <= 8) store_codes<BB>(row, lane, code);  // pivot rows are stored as values
+            if constexpr (BB <= 8) store_codes<BB>(row, lane, bytes);  // pivot rows are stored as values
         });
     }
 }
@@ -418,18 +442,22 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
             *reinterpret_cast<float4*>(mine + r0) = make_float4(stat[0], stat[1], stat[2], stat[3]);
         }
         __syncwarp();
-        const int rho = lane >> 1, half = lane & 1;  // lanes 2 rho, 2 rho + 1 reduce row rho of the warp
-        const float* theirs = sm.scratch + (warp * 32 + 16 * half) * ROW_PAD + rho;
+        // lanes LANES_PER_ROW rho + part (part < LANES_PER_ROW) reduce row rho of the warp
+        const int rho = lane / LANES_PER_ROW, part = lane % LANES_PER_ROW;
+        const float* theirs = sm.scratch + (warp * 32 + part * (32 / LANES_PER_ROW)) * ROW_PAD + rho;
         float s = 0.f;
 #pragma unroll
-        for (int l = 0; l < 16; ++l) {
+        for (int l = 0; l < 32 / LANES_PER_ROW; ++l) {
             const float t = theirs[l * ROW_PAD];
             s = (SQ_RMS && SQ_DUAL) ? s + t : fmaxf(s, t);
         }
-        const float o = __shfl_xor_sync(0xffffffffu, s, 1);
-        s = (SQ_RMS && SQ_DUAL) ? s + o : fmaxf(s, o);
+#pragma unroll
+        for (int m = 1; m < LANES_PER_ROW; m <<= 1) {
+            const float o = __shfl_xor_sync(0xffffffffu, s, m);
+            s = (SQ_RMS && SQ_DUAL) ? s + o : fmaxf(s, o);
+        }
         const int i = row0 + rho;
-        if (half == 0 && row0 < K) {
+        if (part == 0 && row0 < K) {
             const int b = KIND ? KIND : (sm.rinfo[i] & 31);
             const float4 rp = sm.rowp[i];
             float r_new = 1.f;  // pivot rows: 1 (unused, as the codec writes)
@@ -473,7 +501,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
         float* part = sm.scratch;
         *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(colmax[0], colmax[1], colmax[2], colmax[3]);
         __syncthreads();
-        if (tid >= MAX_K) {
+        if (column_thread(tid)) {
             const int j = tid - MAX_K;
             float m = 0.f;
 #pragma unroll
@@ -523,10 +551,9 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                 }
                 if constexpr (LAST) {
                     if constexpr (KIND) {
-                        if (row0 < K) store_codes<KIND>(head_codes + row_offset(i), lane, code);
-                    } else {  // a byte per code (b <= 8), packed with the next three rows
-                        code_stash[r & 3] = __byte_perm(__byte_perm(code[0], code[1], 0x0040),
-                                                        __byte_perm(code[2], code[3], 0x0040), 0x5410);
+                        if (row0 < K) store_codes<KIND>(head_codes + row_offset(i), lane, code_bytes(code));
+                    } else {  // packed with the next three rows
+                        code_stash[r & 3] = code_bytes(code);
                     }
                 }
             }
@@ -534,7 +561,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                 if ((r & 3) == 3 && row0 < K) pack_rows(sm, head_codes, i - 3, head.z, lane, code_stash);
             }
         }
-        if (SQ_DEBUG && LAST && tid >= MAX_K) p.dbg_c[nh * V + tid - MAX_K] = SQ_DUAL ? sm.col[2][tid - MAX_K] : 1.f;
+        if (SQ_DEBUG && LAST && column_thread(tid)) p.dbg_c[nh * V + tid - MAX_K] = SQ_DUAL ? sm.col[2][tid - MAX_K] : 1.f;
         if constexpr (REFIT) {
             // refit c = sum (w^2 r^2 z) Y / sum (w^2 r^2 z) z over the head's rows (8 warps -> smem)
             __syncthreads();
@@ -542,7 +569,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
             *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(num[0], num[1], num[2], num[3]);
             *reinterpret_cast<float4*>(&part[(NUM_WARPS + warp) * V + 4 * lane]) = make_float4(den[0], den[1], den[2], den[3]);
             __syncthreads();
-            if (tid >= MAX_K) {
+            if (column_thread(tid)) {
                 const int j = tid - MAX_K;
                 float sn = 0.f, sd = 0.f;
 #pragma unroll
@@ -568,7 +595,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
         code_pass.template operator()<false, true>();
     }
     // ---- the new column scales: the refitted ones, or the init without refits
-    if (SQ_DUAL && has_scales && tid >= MAX_K) {
+    if (SQ_DUAL && has_scales && column_thread(tid)) {
         const int j = tid - MAX_K;
         p.col_scale[cs_base + j] = __float2half_rn(REFIT ? sm.col[0][j] : sm.col[2][j]);
     }
@@ -580,7 +607,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     const int K = p.K;
     const int hs = head.y;  // scale slot, -1: the head has no scales (a GDN pivot head)
     const bool has_scales = hs >= 0;
-    const int hq = h / (p.H / p.HQ);
+    const int hq = int((uint64_t(h) * p.group_magic) >> 32);  // h / (H / HQ) without a division
     int* slot_codes = p.codes + slot * p.slot_words;
     const long long rs_base = (slot * p.num_scaled + hs) * (long long)K;
     const long long cs_base = (slot * p.num_scaled + hs) * (long long)V;
@@ -607,7 +634,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
         sm.row[i] = make_float4(k_i, q_i, 0.f, 0.f);
-    } else {  // one thread per value column: the old column scale
+    } else if (column_thread(tid)) {  // one thread per value column: the old column scale
         const int j = tid - MAX_K;
         sm.col[0][j] = (SQ_DUAL && has_scales && FROM_CODES) ? __half2float(p.col_scale[cs_base + j]) : 1.f;
     }
@@ -698,7 +725,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             *reinterpret_cast<float4*>(&part[(a * NUM_WARPS + warp) * V + 4 * lane]) =
                 make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]);
         __syncthreads();
-        if (tid >= MAX_K) {
+        if (column_thread(tid)) {
             const int j = tid - MAX_K;
             float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -715,10 +742,10 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         }
         __syncthreads();
     } else if constexpr (SQ_PART == WRITEBACK) {
-        if (tid >= MAX_K) sm.col[1][tid - MAX_K] = p.work[nh * V + tid - MAX_K];
+        if (column_thread(tid)) sm.col[1][tid - MAX_K] = p.work[nh * V + tid - MAX_K];
         __syncthreads();
     } else if constexpr (SQ_PART == PACK) {
-        if (tid >= MAX_K) sm.col[1][tid - MAX_K] = 0.f;
+        if (column_thread(tid)) sm.col[1][tid - MAX_K] = 0.f;
         __syncthreads();
     }
     if constexpr (DO_WRITEBACK) {
