@@ -273,21 +273,6 @@ __device__ __forceinline__ void store_pivots(int* row, int lane, const float* x)
     w[1] = *reinterpret_cast<uint32_t*>(&hi);
 }
 
-// Runs f.template operator()<B>() for a row's runtime width (warp-uniform: no divergence).
-template <typename F>
-__device__ __forceinline__ void by_width(int b, F&& f) {
-    switch (b) {
-        case 2: f.template operator()<2>(); break;
-        case 3: f.template operator()<3>(); break;
-        case 4: f.template operator()<4>(); break;
-        case 5: f.template operator()<5>(); break;
-        case 6: f.template operator()<6>(); break;
-        case 7: f.template operator()<7>(); break;
-        case 8: f.template operator()<8>(); break;
-        default: f.template operator()<16>(); break;
-    }
-}
-
 // The grid constants of a b-bit row: codes are computed as w = MAGIC_ROUND + code (bits(w)'s low bits
 // are the code); folded to constants where b is known when compiled
 struct Width {
@@ -363,38 +348,75 @@ __device__ __forceinline__ void cp_async_wait_all() {
 #endif
 }
 
-// Heads of mixed row widths (KDA) branch on each row's width. The branch stays out of the unrolled loops
-// over the register tile (16 copies of every width's code made those heads 2.5x slower per value): rows
-// are decoded, and packed, four at a time in a loop through a small per-lane stash in local memory.
+// Heads of mixed row widths (KDA) branch on each row's width b (warp-uniform) at run time: the planes
+// present are b's bits (8, 4, 2, 1, widest first), so their offsets in the row and the code bits of the
+// 2- and 1-bit planes are worked out per row, and each value takes one shift and one mask-and-or per
+// plane, as in a body compiled for b. (A switch to bodies compiled per width, in each of the 16 unrolled
+// rows, made those heads 2.5x slower per value; decoding four rows at a time through a per-lane stash in
+// local memory cost ~1.5x; see docs/kernels.md.)
 
-// levels (pivot rows: values) of rows first..first+3 into stash[4][COLS]
-__device__ __forceinline__ void decode_rows(const Shared& sm, const int* stage, int first, int head_word,
-                                            int lane, float (&stash)[4][COLS]) {
-#pragma unroll 1
-    for (int rr = 0; rr < 4; ++rr) {
-        const int info = sm.rinfo[first + rr];
-        const int* row = stage + ((info >> 5) - head_word);
-        float z[COLS];
-        by_width(info & 31, [&]<int BB>() {
-            if constexpr (BB == 16) pivot_values(row, lane, z);
-            else levels<BB>(load_chunks<BB>(row, lane), z);
-        });
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) stash[rr][c] = z[c];
+// levels of a mixed-width row of b <= 8 bits (the layout of levels<B>)
+__device__ __forceinline__ void levels_any(const int* row, int b, int lane, float* z) {
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(row);
+    uint32_t u[COLS] = {0x4A800000u, 0x4A800000u, 0x4A800000u, 0x4A800000u};
+    int words = 0;  // the planes before this one
+    if (b & 8) {
+        const uint32_t c8 = reinterpret_cast<const uint32_t*>(base)[lane];
+        u[0] = and_or<0x1FEu>(c8 << 1, u[0]);
+        u[1] = and_or<0x1FEu>(c8 >> 7, u[1]);
+        u[2] = and_or<0x1FEu>(c8 >> 15, u[2]);
+        u[3] = and_or<0x1FEu>(c8 >> 23, u[3]);
+        words += 32;
     }
+    if (b & 4) {
+        const uint32_t c4 = reinterpret_cast<const uint16_t*>(base + 4 * words)[lane];
+        u[0] = and_or<0x1Eu>(c4 << 1, u[0]);
+        u[1] = and_or<0x1Eu>(c4 >> 3, u[1]);
+        u[2] = and_or<0x1Eu>(c4 >> 7, u[2]);
+        u[3] = and_or<0x1Eu>(c4 >> 11, u[3]);
+        words += 16;
+    }
+    if (b & 2) {  // code bits (b & ~3).. of the 4 values, at bit 2c of the chunk
+        const int o = (b & ~3) + 1;
+        const uint32_t c2 = uint32_t(base[4 * words + lane]) << o, mask = 0x3u << o;
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) u[c] |= (c2 >> (2 * c)) & mask;
+        words += 8;
+    }
+    if (b & 1) {  // code bit (b & ~1) of the 4 values, at bit c of the chunk
+        const int o = (b & ~1) + 1;
+        const uint32_t c1 = ((uint32_t(base[4 * words + (lane >> 1)]) >> ((lane & 1) * 4)) & 0xFu) << o;
+        const uint32_t mask = 0x1u << o;
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) u[c] |= (c1 >> c) & mask;
+    }
+    const float off = MAGIC_LEVEL + (SQ_MIDRISE ? float(1 << (b - 1)) - 0.5f : float(1 << (b - 1)));
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) z[c] = __uint_as_float(u[c]) - off;
 }
 
-// store the codes of rows first..first+3 (one byte each, 4 per word in stash) plane by plane
-__device__ __forceinline__ void pack_rows(const Shared& sm, int* head_codes, int first, int head_word, int lane,
-                                          const uint32_t (&stash)[4]) {
-#pragma unroll 1
-    for (int rr = 0; rr < 4; ++rr) {
-        const int info = sm.rinfo[first + rr];
-        int* row = head_codes + ((info >> 5) - head_word);
-        const uint32_t bytes = stash[rr];
-        by_width(info & 31, [&]<int BB>() {
-            if constexpr (BB <= 8) store_codes<BB>(row, lane, bytes);  // pivot rows are stored as values
-        });
+// store the codes (a byte each) of a mixed-width row of b <= 8 bits (the layout of store_codes<B>)
+__device__ __forceinline__ void store_codes_any(int* row, int b, int lane, uint32_t bytes) {
+    uint8_t* base = reinterpret_cast<uint8_t*>(row);
+    int words = 0;
+    if (b & 8) {
+        reinterpret_cast<uint32_t*>(base)[lane] = bytes;
+        words += 32;
+    }
+    if (b & 4) {
+        reinterpret_cast<uint16_t*>(base + 4 * words)[lane] = uint16_t(plane_chunk<4, 0>(bytes));
+        words += 16;
+    }
+    if (b & 2) {  // plane_chunk<2, O> with O = b & ~3 known at run time
+        const int o = b & ~3;
+        base[4 * words + lane] = uint8_t(((bytes & (0x03030303u << o)) * 0x41041u) >> (o + 18));
+        words += 8;
+    }
+    if (b & 1) {  // plane_chunk<1, O>, O = b & ~1
+        const int o = b & ~1;
+        const uint32_t nib = (((bytes & (0x01010101u << o)) * 0x204081u) >> (o + 21)) & 0xFu;
+        const uint32_t pair = nib | (__shfl_xor_sync(0xffffffffu, nib, 1) << 4);  // with the odd lane's
+        if ((lane & 1) == 0) base[4 * words + (lane >> 1)] = uint8_t(pair);
     }
 }
 
@@ -519,7 +541,6 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     constexpr bool REFIT = SQ_DUAL && SQ_REFITS > 0;
     // one pass over the tile: codes (clamped to the grid unless they provably stay on it), refit sums,
     // and in the last pass the packed words
-    uint32_t code_stash[4];  // mixed heads: the codes of four rows, a byte each (local memory)
     auto code_pass = [&]<bool FIRST, bool LAST>() {
         float num[COLS] = {0.f, 0.f, 0.f, 0.f}, den[COLS] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -549,16 +570,10 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                         den[c] = __fmaf_rn(wz, z, den[c]);
                     }
                 }
-                if constexpr (LAST) {
-                    if constexpr (KIND) {
-                        if (row0 < K) store_codes<KIND>(head_codes + row_offset(i), lane, code_bytes(code));
-                    } else {  // packed with the next three rows
-                        code_stash[r & 3] = code_bytes(code);
-                    }
+                if (LAST && row0 < K) {
+                    if constexpr (KIND) store_codes<KIND>(head_codes + row_offset(i), lane, code_bytes(code));
+                    else store_codes_any(head_codes + row_offset(i), sm.rinfo[i] & 31, lane, code_bytes(code));
                 }
-            }
-            if constexpr (LAST && !KIND) {
-                if ((r & 3) == 3 && row0 < K) pack_rows(sm, head_codes, i - 3, head.z, lane, code_stash);
             }
         }
         if (SQ_DEBUG && LAST && column_thread(tid)) p.dbg_c[nh * V + tid - MAX_K] = SQ_DUAL ? sm.col[2][tid - MAX_K] : 1.f;
@@ -624,19 +639,43 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
 #pragma unroll 1
         for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(dst + e, src + e);
     }
-    if (tid < MAX_K) {  // one thread per key row: raw k, q and their partial norms
+    // every global input of the step is loaded here, before the first barrier, so that the CTA waits on
+    // global memory once: per key row (threads 0..127) k, q, the row's table entries, the gate and the old
+    // row scale; per value column (threads 128..255) the old column scale and v, beta (or u of the split)
+    float k_i = 0.f, q_i = 0.f, eg = 1.f, r_old = 1.f;  // row threads
+    float v_j = 0.f, beta = 0.f;                          // column threads (v_j: u in the split writeback)
+    if (tid < MAX_K) {
+        // rows past K are neutral: a = k = q = 0 makes their X zero, refit weight 0 keeps them out of
+        // the fit, a valid width keeps their (unused) levels finite; nothing of theirs is stored
         const int i = tid;
-        float k_i = 0.f, q_i = 0.f;
-        if (i < K && SQ_PART != PACK) {
-            k_i = load_in(p.k, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 2);
-            q_i = load_in(p.q, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 1);
+        int info = (head.z << 5) | (KIND ? KIND : 2);
+        float winv = 1.f, w2 = 0.f, gain = 0.f;
+        if (i < K) {
+            if (SQ_PART != PACK) {
+                k_i = load_in(p.k, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 2);
+                q_i = load_in(p.q, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 1);
+            }
+            info = p.row_info[h * K + i];
+            if (FROM_CODES) eg = load_in(p.g, SQ_KDA ? nh * K + i : nh, p.bf16_mask & 8);
+            if (FROM_CODES && has_scales) r_old = __half2float(p.row_scale[rs_base + i]);  // pivot rows: unused
+            winv = p.row_winv[h * K + i];
+            w2 = p.row_w2[h * K + i];
+            gain = p.row_gain[h * K + i];
         }
+        sm.rinfo[i] = info;
+        sm.rowp[i] = make_float4(winv, w2, gain, 0.f);
+        sm.rowq[i] = make_float2(1.f, 0.f);
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
-        sm.row[i] = make_float4(k_i, q_i, 0.f, 0.f);
-    } else if (column_thread(tid)) {  // one thread per value column: the old column scale
+    } else if (column_thread(tid)) {
         const int j = tid - MAX_K;
         sm.col[0][j] = (SQ_DUAL && has_scales && FROM_CODES) ? __half2float(p.col_scale[cs_base + j]) : 1.f;
+        if constexpr (DO_READOUT) {
+            v_j = load_in(p.v, nh * V + j, p.bf16_mask & 4);
+            beta = load_in(p.beta, nh, p.bf16_mask & 16);
+        } else if constexpr (SQ_PART == WRITEBACK) {
+            v_j = p.work[nh * V + j];
+        }
     }
     __syncthreads();
     const float kn = sm.red[0] + sm.red[1] + sm.red[2] + sm.red[3];
@@ -648,27 +687,12 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     }
     const float kq = (sm.red[8] + sm.red[9] + sm.red[10] + sm.red[11]) * (fk * fq);
     if (tid < MAX_K) {
-        // rows past K are neutral: a = k = q = 0 makes their X zero, refit weight 0 keeps them out of
-        // the fit, a valid width keeps their (unused) levels finite; nothing of theirs is stored
         const int i = tid;
-        const float4 raw = sm.row[i];
-        int info = (head.z << 5) | (KIND ? KIND : 2);
-        float a = 0.f, winv = 1.f, w2 = 0.f, gain = 0.f;
-        if (i < K) {
-            info = p.row_info[h * K + i];
-            const int b = info & 31;
-            const float eg = !FROM_CODES ? 1.f : expf(load_in(p.g, SQ_KDA ? nh * K + i : nh, p.bf16_mask & 8));
-            const float r_old = (has_scales && b <= 8 && FROM_CODES) ? __half2float(p.row_scale[rs_base + i]) : 1.f;
-            a = r_old * eg;  // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1)
-            winv = p.row_winv[h * K + i];
-            w2 = p.row_w2[h * K + i];
-            gain = p.row_gain[h * K + i];
-        }
-        const float k_i = raw.x * fk, q_i = raw.y * fq;
-        sm.rinfo[i] = info;
-        sm.rowp[i] = make_float4(winv, w2, gain, 0.f);
-        sm.rowq[i] = make_float2(1.f, 0.f);
-        sm.row[i] = make_float4(a * k_i, a * q_i, a, k_i);
+        const int b = sm.rinfo[i] & 31;
+        // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1); rows past K: a = 0
+        const float a = i < K ? ((b <= 8) ? r_old : 1.f) * (FROM_CODES ? expf(eg) : 1.f) : 0.f;
+        const float kf = k_i * fk, qf = q_i * fq;
+        sm.row[i] = make_float4(a * kf, a * qf, a, kf);
     }
     if constexpr (FROM_CODES) cp_async_wait_all();
     __syncthreads();
@@ -685,7 +709,6 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
 #pragma unroll
         for (int c = 0; c < COLS; ++c) acc[a][c] = 0.f;
     const int* stage = reinterpret_cast<const int*>(sm.stage);
-    float stash[4][COLS];  // mixed heads: four decoded rows (local memory: indexed at run time)
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int i = row0 + r;
@@ -695,9 +718,9 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             if constexpr (KIND) {
                 levels<KIND>(load_chunks<KIND>(stage + row_offset(i), lane), x[r]);
             } else {
-                if ((r & 3) == 0) decode_rows(sm, stage, i, head.z, lane, stash);
-#pragma unroll
-                for (int c = 0; c < COLS; ++c) x[r][c] = stash[r & 3][c];
+                const int* row = stage + row_offset(i);
+                if (row_pivot[r]) pivot_values(row, lane, x[r]);
+                else levels_any(row, b, lane, x[r]);
             }
         } else {
             float4 v4 = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -735,14 +758,14 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             const float cj = sm.col[0][j];
             const float kds = __fmaf_rn(cj, s[0], s[2]);  // k^T (D S)_j
             const float qds = __fmaf_rn(cj, s[1], s[3]);  // q^T (D S)_j
-            const float u = load_in(p.beta, nh, p.bf16_mask & 16) * (load_in(p.v, nh * V + j, p.bf16_mask & 4) - kds);
+            const float u = beta * (v_j - kds);
             sm.col[1][j] = u;
             store_out(p.y, nh * V + j, __fmaf_rn(kq, u, qds), p.bf16_mask & 32);  // y = X^T q, before requantizing
             if (SQ_PART == READOUT && p.work) p.work[nh * V + j] = u;
         }
         __syncthreads();
     } else if constexpr (SQ_PART == WRITEBACK) {
-        if (column_thread(tid)) sm.col[1][tid - MAX_K] = p.work[nh * V + tid - MAX_K];
+        if (column_thread(tid)) sm.col[1][tid - MAX_K] = v_j;  // the readout's u
         __syncthreads();
     } else if constexpr (SQ_PART == PACK) {
         if (column_thread(tid)) sm.col[1][tid - MAX_K] = 0.f;
