@@ -198,7 +198,11 @@ def decode_run(model, fmt: str, batch: int, args, device) -> dict:
         row["peak_above_weights_bytes"] = row["peak_bytes"] - base
     row["host_bound"] = row["host_issue_ms"] > 0.9 * row["ms_per_step"]
     if args.profile and batch == args.profile_batch:
-        row["profile"] = profile_steps(model, cache, token, device, args.profile_steps)
+        try:  # a profiler failure must not lose the timed row
+            row["profile"] = profile_steps(model, cache, token, device, args.profile_steps)
+        except Exception as err:
+            row["profile_error"] = repr(err)[:300]
+            log(traceback.format_exc())
     del cache
     gc.collect()
     return row
@@ -379,6 +383,7 @@ def try_allocate(fmt, batch, shape, layer_formats, context, slots_per_request, d
         return False
     finally:
         del held
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -399,6 +404,67 @@ def largest(fits, hi: int) -> int:
 # ---------------------------------------------------------------- report
 
 
+def targets(result: dict) -> dict:
+    """Issue 13's targets per model: at the largest batch where fp32 and sq6 both ran, sq6's tokens/s over
+    fp32's (and fp32-assign's); the measured capacity of sq6 over fp32 with no context (the pool alone)."""
+    out = {}
+    runs = {(r["preset"], r["format"], r["batch"]): r for r in result["runs"] if "tokens_per_s" in r}
+    for preset in dict.fromkeys(r["preset"] for r in result["runs"]):
+        both = [b for (p, f, b) in runs if p == preset and f == "sq6" and (p, "fp32", b) in runs]
+        entry = {}
+        if both:
+            b = max(both)
+            sq6 = runs[(preset, "sq6", b)]["tokens_per_s"]
+            entry = {"batch": b, "sq6_over_fp32": round(sq6 / runs[(preset, "fp32", b)]["tokens_per_s"], 3)}
+            if (preset, "fp32-assign", b) in runs:
+                entry["sq6_over_fp32_assign"] = round(
+                    sq6 / runs[(preset, "fp32-assign", b)]["tokens_per_s"], 3
+                )
+        out[preset] = entry
+    for c in result["capacity"]:
+        if c["context_tokens"] == 0 and c["format"] == "sq6":
+            fp32 = next(
+                (
+                    d
+                    for d in result["capacity"]
+                    if (d["preset"], d["context_tokens"], d["format"]) == (c["preset"], 0, "fp32")
+                ),
+                None,
+            )
+            if fp32 and fp32["measured_max_batch"]:
+                out.setdefault(c["preset"], {})["capacity_sq6_over_fp32"] = round(
+                    c["measured_max_batch"] / fp32["measured_max_batch"], 3
+                )
+    return out
+
+
+def per_billion(result: dict) -> dict:
+    """What a model costs per 1e9 parameters: weight GiB, build seconds, prefill seconds per 64K prompt tokens
+    (the largest fp32 prefill), decode ms per step at the smallest fp32 batch (weight-bound)."""
+    out = {}
+    for preset, info in result["models"].items():
+        billions = info["parameters"] / 1e9
+        fp32 = sorted(
+            (
+                r
+                for r in result["runs"]
+                if r["preset"] == preset and r["format"] == "fp32" and "ms_per_step" in r
+            ),
+            key=lambda r: r["batch"],
+        )
+        entry = {
+            "weights_gib": round(info["weight_bytes"] / GIB / billions, 3),
+            "build_s": round(info.get("build_s", 0) / billions, 3),
+        }
+        if fp32:
+            big, small = fp32[-1], fp32[0]
+            tokens = big["batch"] * big["prompt"]
+            entry["prefill_s_per_64k_tokens"] = round(big["prefill_s"] * 65536 / tokens / billions, 4)
+            entry[f"decode_ms_per_step_at_B{small['batch']}"] = round(small["ms_per_step"] / billions, 4)
+        out[preset] = entry
+    return out
+
+
 def markdown(result: dict) -> str:
     lines = [
         f"# Whole-model decode and capacity ({result['device']}, {result['date']})",
@@ -414,9 +480,18 @@ def markdown(result: dict) -> str:
             f"{'GDN' if 'qwen' in info['model_type'] else 'KDA'} + {info['full_attention_layers']} "
             f"attention) of the preset's {info['preset_layers']}, {info['heads']} heads of "
             f"{info['key_dim']}x{info['value_dim']}, hidden {info['hidden_size']}, "
-            f"{info['parameters'] / 1e9:.2f} B parameters ({info['weight_bytes'] / GIB:.2f} GiB BF16); "
+            f"{info['parameters'] / 1e9:.4g} B parameters ({info['weight_bytes'] / GIB:.2f} GiB BF16); "
             f"built in {info.get('build_s', 0):.1f} s"
         )
+    lines += ["", "Per billion parameters (for sizing a real checkpoint; README 'On GPUs'):"]
+    for preset, entry in per_billion(result).items():
+        lines.append(f"- {preset}: " + ", ".join(f"{k} {v}" for k, v in entry.items()))
+    lines += [
+        "",
+        "Targets (issue 13: sq6 >= 1.2x fp32 tokens/s at B = 512 on the 27B shape; capacity >= 4.5x):",
+    ]
+    for preset, entry in targets(result).items():
+        lines.append(f"- {preset}: {json.dumps(entry)}")
     lines += [
         "",
         "## Decode (greedy, prompt + new tokens per request; median GPU time per step)",
@@ -511,7 +586,8 @@ def plot(result: dict, path: Path) -> bool:
             axes[1][col].plot(
                 b, [r.get("peak_bytes", r["state_bytes"]) / GIB for r in rows], marker="o", label=fmt
             )
-        for row, ylabel in ((0, "decode tokens/s"), (1, "peak GPU memory (GiB)")):
+        memory = "peak GPU memory (GiB)" if "cpu" not in result["device"] else "state (GiB; peak on a GPU)"
+        for row, ylabel in ((0, "decode tokens/s"), (1, memory)):
             ax = axes[row][col]
             ax.set_xscale("log", base=2)
             ax.set_xlabel("batch B")
@@ -589,8 +665,8 @@ def main(argv=None) -> int:
         type=float,
         default=170.0,
         help="seconds from the start after which the remaining decode runs are skipped (recorded as "
-        "skipped); the presets share the time left after the capacity section equally, a "
-        "preset that finishes early leaves its rest to the next",
+        "skipped); of the time left after the capacity section the first of two presets gets 60%%, "
+        "the second the rest (a preset that finishes early leaves its time to the next)",
     )
     parser.add_argument("--check-finite", action="store_true", help="one more forward per run: logits finite")
     parser.add_argument("--out", default=None, help="directory for bench_generate.{json,md,png}")
@@ -664,8 +740,10 @@ def main(argv=None) -> int:
                 log(traceback.format_exc())
     if args.decode:
         decode_start = time.time()
+        shares = [0.6, 0.4] if len(presets) == 2 else [1 / len(presets)] * len(presets)  # the first gets more
         for number, preset in enumerate(presets):
-            deadline = decode_start + (START + args.time_limit - decode_start) * (number + 1) / len(presets)
+            share = sum(shares[: number + 1])
+            deadline = decode_start + (START + args.time_limit - decode_start) * share
             if time.time() > deadline:
                 result["runs"].append(
                     {"preset": preset, "format": "*", "batch": "*", "skipped": "time limit"}
@@ -725,6 +803,8 @@ def main(argv=None) -> int:
     print(
         json.dumps(
             {
+                "targets": targets(result),
+                "per_billion_parameters": per_billion(result),
                 "bench_generate": summary,
                 "capacity": {
                     f"{c['preset']}/{c['context_tokens']}/{c['format']}": [
