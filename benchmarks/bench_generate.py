@@ -287,12 +287,10 @@ def capacity_section(preset: str, args, device, record) -> None:
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(device)
-        held = torch.cuda.memory_reserved(device)
+        free, total = torch.cuda.mem_get_info(device)  # after empty_cache: torch holds nothing here
         budget = total
     else:  # the dry run: a simulated device with room for weights and a few dozen requests
         total = free = budget = weight_bytes + 40 * (5 * shape.fp32_bytes + 64 * shape.kv_bytes_per_token)
-        held = 0
     formats = {"fp32": float_bytes(shape, 32).serving_bytes, "bf16": float_bytes(shape, 16).serving_bytes}
     layer_formats = {}  # format -> the pool's FormatTables of every layer (built once; a try allocates pages)
     for bits in (6, 4):
@@ -334,7 +332,7 @@ def capacity_section(preset: str, args, device, record) -> None:
                     "analytical_max_batch": analytical,
                     "measured_max_batch": measured,
                     "analytical_max_batch_in_free_memory": max_batch(
-                        shape, slot_state, free - held, weight_bytes, args.slots_per_request, context
+                        shape, slot_state, free, weight_bytes, args.slots_per_request, context
                     ),
                 }
                 log(f"  context {context}: {fmt:<5} analytical B = {analytical}, measured B = {measured}")
