@@ -4,6 +4,7 @@ Each quantizer configuration is one nvcc build of stepquant/kernels/decode/packe
 core); without this they compile one after another at first use. Run before the tests on a GPU machine:
 
     python benchmarks/build_cuda.py --jobs 16        # prints one line per library, then the total time
+    python benchmarks/build_cuda.py --jobs 16 --serving-only   # the 7 libraries bench_generate.py uses
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ CONFIGS = (
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--jobs", type=int, default=8, help="parallel nvcc processes")
+    parser.add_argument("--serving-only", action="store_true",
+                        help="only what a serving decode with the kernel's quantizer uses "
+                             "(bench_generate.py): fused, readout, writeback (GDN and KDA) and pack, "
+                             "reciprocal quantizer, no debug")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to build (the CPU tests build the emulation on their own)")
@@ -52,6 +57,8 @@ def main(argv=None) -> int:
     # the benchmark also times the fused step and the readout compiled for 16 warps of 8 key rows
     configs = CONFIGS + [("dual_axis", RECIPROCAL_1, part, kda, "16 warps") for kda in (False, True)
                          for part in ("fused", "readout")]
+    if args.serving_only:
+        configs = [c for c in CONFIGS if c[1] is RECIPROCAL_1 and c[4] is False and c[0] == "dual_axis"]
     rows = cuda.TUNING["SQ_ROWS"]  # the default, or STEPQUANT_CUDA_ROWS
     for spatial, quantizer, part, kda, debug in configs:
         cuda.TUNING["SQ_ROWS"] = 8 if debug == "16 warps" else rows

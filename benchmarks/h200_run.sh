@@ -5,9 +5,15 @@
 # Triton kernel's GPU tests, in that order (each step time-boxed: *_TIMEOUT variables), and leaves logs
 # and results in $OUT (default benchmarks/results): env.txt, build_cuda.log, gpu_tests.log, bench.log,
 # bench_decode.json, bench_decode.md, ncu.txt (NO_NCU=1 skips; NO_BENCH=1 stops after the kernel tests;
-# NO_TRITON_TESTS=1 skips the last step). About 10 minutes in all.
+# NO_TRITON_TESTS=1 skips the last step). About 10 minutes in all. After the serving tests, the whole-model
+# step (issue 13): the calibrate / eval CUDA-vs-CPU test (tests/test_gpu_cli.py, gpu_cli_tests.log) and
+# benchmarks/bench_generate.py (greedy decode of production-shape random-weight models per state format,
+# capacity by allocation vs the model): generate.log, bench_generate.{json,md,png}; NO_GENERATE=1 skips it,
+# GENERATE_TIMEOUT (default 210 s) bounds it, GENERATE_ARGS passes options. ONLY_GENERATE=1 runs just the
+# install, the 7 CUDA libraries a serving decode uses and that step (about 5 minutes).
 #
 #   OUT=/some/dir bash benchmarks/h200_run.sh          (BENCH_ARGS=--quick for a shorter benchmark)
+#   ONLY_GENERATE=1 OUT=/some/dir bash benchmarks/h200_run.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
@@ -46,26 +52,33 @@ for name in ("fla", "transformers"):
 EOF
 cat "$OUT/env.txt"
 
+generate_step() {  # the whole-model step: calibrate/eval on CUDA vs CPU, then bench_generate.py
+    gpu_tests tests/test_gpu_cli.py "${CLI_TEST_TIMEOUT:-120}" gpu_cli_tests.log
+    echo "== whole-model decode and capacity (benchmarks/bench_generate.py)"
+    PYTHONUNBUFFERED=1 timeout -s INT ${GENERATE_TIMEOUT:-210} python3 benchmarks/bench_generate.py --out "$OUT" \
+        ${GENERATE_ARGS:-} > "$OUT/generate.log" 2>&1
+    echo "bench_generate.py exit $? (log: $OUT/generate.log)"
+    grep -v "falling back" "$OUT/generate.log" | tail -n 60
+}
+
 echo "== CUDA decode kernel: nvcc builds of every configuration the tests and the benchmark use"
-timeout ${BUILD_TIMEOUT:-240} python3 benchmarks/build_cuda.py --jobs "$(nproc)" > "$OUT/build_cuda.log" 2>&1
+timeout ${BUILD_TIMEOUT:-240} python3 benchmarks/build_cuda.py --jobs "$(nproc)" ${ONLY_GENERATE:+--serving-only} \
+    > "$OUT/build_cuda.log" 2>&1
 echo "build exit $? (log: $OUT/build_cuda.log)"
 tail -n 1 "$OUT/build_cuda.log"
-# the same configurations compiled for 16 warps of 8 key rows (STEPQUANT_CUDA_ROWS=8), tested below
-STEPQUANT_CUDA_ROWS=8 timeout ${BUILD_TIMEOUT:-240} python3 benchmarks/build_cuda.py --jobs "$(nproc)" \
-    >> "$OUT/build_cuda.log" 2>&1
-echo "build (8 rows per warp) exit $?"
 
 # GPU tests, one file at a time, each test time-boxed (pytest-timeout) so a hang names itself
-gpu_tests() {  # file, seconds
-    echo "== pytest -m gpu $1" | tee -a "$OUT/gpu_tests.log"
+gpu_tests() {  # file, seconds[, log name]
+    local log="$OUT/${3:-gpu_tests.log}"
+    echo "== pytest -m gpu $1" | tee -a "$log"
     timeout -s INT "$2" python3 -m pytest -m gpu "$1" -q -s -p no:cacheprovider -rA --timeout 120 \
-        >> "$OUT/gpu_tests.log" 2>&1
-    echo "pytest exit $? ($1)" | tee -a "$OUT/gpu_tests.log"
-    tail -n 3 "$OUT/gpu_tests.log"
+        >> "$log" 2>&1
+    echo "pytest exit $? ($1)" | tee -a "$log"
+    tail -n 3 "$log"
 }
+if [ -n "${ONLY_GENERATE:-}" ]; then generate_step; exit 0; fi
 gpu_tests tests/test_cuda_kernel.py "${CUDA_TEST_TIMEOUT:-150}"
-echo "== the same, the kernel compiled for 16 warps of 8 key rows" | tee -a "$OUT/gpu_tests.log"
-STEPQUANT_CUDA_ROWS=8 gpu_tests tests/test_cuda_kernel.py "${CUDA_TEST_TIMEOUT:-150}"
+# STEPQUANT_CUDA_ROWS=8 before this script runs the same tests on the 16-warp build (SQ_ROWS = 8)
 
 if [ -n "${NO_BENCH:-}" ]; then exit 0; fi
 echo "== decode benchmark"
@@ -77,6 +90,7 @@ if [ "$status" -ne 0 ]; then
 fi
 
 [ -n "${NO_SERVING_TESTS:-}" ] || gpu_tests tests/test_gpu_serving.py "${SERVING_TEST_TIMEOUT:-360}"  # fla autotunes: minutes
+[ -n "${NO_GENERATE:-}" ] || generate_step
 
 if command -v ncu > /dev/null && [ -z "${NO_NCU:-}" ]; then
     echo "== ncu: readout, writeback, fused (8 and 16 warps) launches at B = 512 (benchmarks/ncu_step.py)"

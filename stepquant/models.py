@@ -139,3 +139,133 @@ def load(
     if recurrent_prefill:
         use_recurrent_prefill(True)
     return lm, tokenizer
+
+
+# ---------------------------------------------------------------- production-shape models with random weights
+
+# Plausible sizes around the accounting presets' state shapes (stepquant.accounting.PRESETS): the public
+# Qwen3.5-27B and Kimi-Linear-48B-A3B configurations. The recurrent state per layer (heads x K x V), the
+# number of linear / full-attention layers and the attention KV per token are the presets'; widths not
+# fixed by the presets (hidden, MLP, vocabulary) are the public models'.
+RANDOM_PRESETS: dict[str, dict] = {
+    "qwen3.8-27b": dict(
+        model_type="qwen3_5_text", num_hidden_layers=64, vocab_size=248320, hidden_size=5120,
+        intermediate_size=17408, num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+        linear_num_value_heads=48, linear_num_key_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        linear_conv_kernel_dim=4, tie_word_embeddings=False, max_position_embeddings=32768,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25},
+        full_attention_layers=(*range(3, 64, 4),),  # 0-indexed: every 4th layer (48 GDN + 16 attention)
+    ),
+    "kimi-linear-48b-a3b": dict(
+        model_type="kimi_linear", num_hidden_layers=27, vocab_size=163840, hidden_size=2304,
+        intermediate_size=9216, moe_intermediate_size=1024, num_local_experts=256, num_experts_per_tok=8,
+        n_shared_experts=1, num_attention_heads=32, num_key_value_heads=32, kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, linear_num_heads=32, linear_head_dim=128,
+        linear_conv_kernel_dim=4, tie_word_embeddings=False,
+        full_attention_layers=(3, 7, 11, 15, 19, 23, 26),  # the public config's 1-indexed 4, 8, ..., 24, 27
+    ),
+}
+
+# the dry-run shapes: the same families and layer mix, every width small (the CPU runs the torch reference)
+_TINY = {
+    "qwen3_5_text": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2,
+                         linear_key_head_dim=32, linear_value_head_dim=32),
+    "kimi_linear": dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                        num_local_experts=8, num_experts_per_tok=2, num_attention_heads=2,
+                        num_key_value_heads=2,
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+                        linear_num_heads=2, linear_head_dim=32),
+}
+
+
+def random_layer_types(preset: str, layers: int | None = None) -> list[str]:
+    """The preset's layer kinds; with fewer decoder layers, the same ~3:1 mix (every 4th layer attention)."""
+    spec = RANDOM_PRESETS[_random_preset(preset)]
+    full_depth = spec["num_hidden_layers"]
+    layers = full_depth if layers is None else int(layers)
+    if layers < 2:
+        raise ValueError(f"layers must be >= 2 (one linear and one attention layer), got {layers}")
+    if layers == full_depth:
+        full = set(spec["full_attention_layers"])
+    else:
+        full = set(range(3, layers, 4)) or {layers - 1}
+    return ["full_attention" if i in full else "linear_attention" for i in range(layers)]
+
+
+def _random_preset(preset: str) -> str:
+    if preset not in RANDOM_PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; available: {', '.join(sorted(RANDOM_PRESETS))}")
+    return preset
+
+
+def random_config(preset: str, layers: int | None = None, tiny: bool = False):
+    """A transformers config of a production-shape model (:data:`RANDOM_PRESETS`), ``layers`` decoder layers
+    (default the preset's depth) in the preset's layer mix; ``tiny`` shrinks every width for a CPU dry run."""
+    from transformers import AutoConfig
+
+    spec = dict(RANDOM_PRESETS[_random_preset(preset)])
+    model_type = spec.pop("model_type")
+    spec.pop("full_attention_layers")
+    kinds = random_layer_types(preset, layers)
+    spec.update(num_hidden_layers=len(kinds), layer_types=kinds)
+    if tiny:
+        spec.update(_TINY[model_type])
+    if model_type == "kimi_linear":  # special tokens inside the vocabulary (DESIGN.md section 8)
+        spec.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    else:
+        spec.update(pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    return AutoConfig.for_model(model_type, **spec)
+
+
+def build_random(preset: str, layers: int | None = None, *, device: str | torch.device = "cuda",
+                 dtype: torch.dtype = torch.bfloat16, seed: int = 0, tiny: bool = False):
+    """(model, info): a production-shape model (:func:`random_config`), random weights, built on ``device``.
+
+    The weights are created where they live (``torch.device(device)`` is the default device while the modules
+    are built, no CPU copy) in ``dtype`` and initialised by the model's own ``_init_weights`` from
+    ``torch.manual_seed(seed)``. Timings, memory and capacity of such a model are real; its quality numbers
+    are not. ``info``: parameter count, weight bytes, layer mix and the state shape (stepquant.families).
+    """
+    from transformers import AutoModelForCausalLM
+
+    from stepquant.families import shape_from_config
+
+    config = random_config(preset, layers, tiny)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    model.eval()
+    return model, random_info(preset, model, tiny, shape_from_config(config.to_dict()))
+
+
+def random_info(preset: str, model, tiny: bool, shape) -> dict:
+    params = sum(p.numel() for p in model.parameters())
+    kinds = list(model.config.layer_types)
+    full_depth = RANDOM_PRESETS[preset]["num_hidden_layers"]
+    return {
+        "preset": preset, "tiny": tiny, "model_type": model.config.model_type,
+        "layers": len(kinds), "preset_layers": full_depth,
+        "linear_layers": kinds.count("linear_attention"),
+        "full_attention_layers": kinds.count("full_attention"),
+        "heads": shape.heads, "key_dim": shape.key_dim, "value_dim": shape.value_dim,
+        "hidden_size": model.config.hidden_size, "parameters": params,
+        "weight_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "fp32_state_bytes_per_request": shape.fp32_bytes, "conv_state_bytes": shape.conv_state_bytes,
+        "kv_bytes_per_token": shape.kv_bytes_per_token,
+        "note": ("random weights (seeded, built on the device): timings, memory and capacity are real, "
+                 "quality is not" + ("" if len(kinds) == full_depth else
+                                     f"; {len(kinds)} of the preset's {full_depth} decoder layers, same "
+                                     "per-layer state shape and ~3:1 linear:attention mix")),
+    }
+
+
+def count_random_parameters(preset: str, layers: int | None = None) -> int:
+    """Parameters of :func:`build_random`'s model, counted on the meta device (nothing allocated)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(random_config(preset, layers), dtype=torch.bfloat16)
+    return sum(p.numel() for p in model.parameters())

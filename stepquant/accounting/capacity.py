@@ -91,3 +91,24 @@ def capacity(shape: ModelShape, state: StateBytes | int, batch: int, slots_per_r
         label, state_bytes = "state", state
     return Capacity(label, batch, slots_per_request, state_bytes, shape.conv_state_bytes or 0,
                     context_tokens, shape.kv_bytes_per_token)
+
+
+def max_batch(shape: ModelShape, state: StateBytes | int, budget_bytes: int, weight_bytes: int,
+              slots_per_request: int = 5, context_tokens: int = 0, serving: bool = False) -> int:
+    """The largest batch B whose total (:meth:`Capacity.total_bytes`) fits ``budget_bytes``; 0 if none does.
+
+    Per request: ``slots_per_request`` state slots plus ``context_tokens`` of attention KV; once: the weights
+    and the sentinel slot. An unknown KV size counts as 0 only when no context is asked for.
+    """
+    _check_shape(shape)
+    check_count(budget_bytes, "budget_bytes", allow_zero=True)
+    check_count(weight_bytes, "weight_bytes", allow_zero=True)
+    check_count(slots_per_request, "slots_per_request")
+    check_count(context_tokens, "context_tokens", allow_zero=True)
+    one = capacity(shape, state, 1, slots_per_request, context_tokens, serving)
+    if one.kv_bytes is None:
+        raise ValueError(f"{shape.name}: the attention KV bytes per token are unknown, so a context of "
+                         f"{context_tokens} tokens cannot be counted (give --config with the model's config)")
+    per_request = slots_per_request * one.slot_bytes + one.kv_bytes
+    room = budget_bytes - weight_bytes - one.slot_bytes  # the sentinel slot
+    return max(0, room // per_request)

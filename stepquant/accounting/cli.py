@@ -15,6 +15,7 @@ from pathlib import Path
 from stepquant.calibrate.plan import Plan
 from stepquant.families import shape_from_config
 
+from .capacity import GIB
 from .formulas import plan_bytes
 from .presets import PRESETS, get_preset
 from .report import format_report, memory_report
@@ -30,7 +31,8 @@ def _run_memory(args: argparse.Namespace) -> int:
         plan = plan_bytes(plan.layer_formats(), shape,
                           label=f"plan {Path(args.plan).name} ({plan.variant}@{plan.budget_bits})")
     report = memory_report(shape, args.bits, args.pivots, args.batch, args.slots_per_request,
-                           args.context, args.measured_bytes, plan)
+                           args.context, args.measured_bytes, plan,
+                           None if args.budget_gib is None else int(args.budget_gib * GIB))
     if not args.json:
         print(format_report(report))
     print(json.dumps(report, separators=(",", ":")))
@@ -66,5 +68,9 @@ def add_cli(subparsers) -> None:
                         help="a calibrated plan directory (stepquant calibrate --out, e.g. "
                              "plans/gdn/stepquant-6): adds its bytes per request, counted in the plan's "
                              "stored format; give the plan's model with --config")
+    parser.add_argument("--budget-gib", type=float, default=None,
+                        help="a GPU memory budget in GiB (e.g. 139.7 for an H200): adds the largest batch "
+                             "that fits it with each state format (weights + slots + --context tokens of KV "
+                             "per request)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.set_defaults(func=_run_memory)

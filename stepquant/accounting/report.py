@@ -5,7 +5,7 @@ from __future__ import annotations
 from stepquant.codecs.base import check_bits
 from stepquant.families import ModelShape
 
-from .capacity import GIB, MIB, capacity
+from .capacity import GIB, MIB, capacity, max_batch
 from .formulas import (
     StateBytes,
     _check_shape,
@@ -20,8 +20,12 @@ from .formulas import (
 
 def memory_report(shape: ModelShape, bits: int, pivots: int | None = None, batch: int = 64,
                   slots_per_request: int = 5, context_tokens: int = 0,
-                  measured: int | None = None, plan: StateBytes | None = None) -> dict:
-    """Every number ``stepquant memory`` prints, as a JSON-ready dict."""
+                  measured: int | None = None, plan: StateBytes | None = None,
+                  budget_bytes: int | None = None) -> dict:
+    """Every number ``stepquant memory`` prints, as a JSON-ready dict.
+
+    budget_bytes: a GPU memory budget; each capacity row then gets ``max_batch``, the largest B whose total
+    (weights + state slots + KV) fits it, per weight format (:func:`stepquant.accounting.max_batch`)."""
     _check_shape(shape)
     check_bits(bits)
     pivots_source = "given"
@@ -47,6 +51,11 @@ def memory_report(shape: ModelShape, bits: int, pivots: int | None = None, batch
         if context_tokens:
             row["kv_bytes"] = cap.kv_bytes
         row["total_bytes"] = {w: cap.total_bytes(size) for w, size in shape.weight_bytes}
+        if budget_bytes is not None:
+            state = cap.state_bytes
+            row["max_batch"] = {
+                w: max_batch(shape, state, budget_bytes, size, slots_per_request, context_tokens)
+                for w, size in (shape.weight_bytes or (("none", 0),))}
         capacity_rows.append(row)
     return {
         "model": shape.name,
@@ -70,6 +79,7 @@ def memory_report(shape: ModelShape, bits: int, pivots: int | None = None, batch
             "conv_state_bytes": shape.conv_state_bytes,
             "kv_bytes_per_token": shape.kv_bytes_per_token,
             "weight_bytes": dict(shape.weight_bytes),
+            "budget_bytes": budget_bytes,
             "rows": capacity_rows,
         },
     }
@@ -145,4 +155,12 @@ def format_report(report: dict) -> str:
     kv = cap["kv_bytes_per_token"]
     kv_text = f"{kv:,} B/token" if kv is not None else "unknown"
     lines.append(f"attention KV: {kv_text}; context {cap['context_tokens']:,} tokens/request in the totals")
+    if cap.get("budget_bytes") is not None:
+        lines.append("")
+        lines.append(f"largest batch in a budget of {cap['budget_bytes'] / GIB:.2f} GiB (weights + "
+                     f"({cap['slots_per_request']} x B + 1) slots + B x {cap['context_tokens']:,} "
+                     "tokens of KV):")
+        for row in cap["rows"]:
+            fits = ", ".join(f"{b:,} ({w} weights)" for w, b in row["max_batch"].items())
+            lines.append(f"  {row['format']:<43} B = {fits}")
     return "\n".join(lines)

@@ -406,8 +406,13 @@ def run_segments(
     starts = range(0, segments.shape[0], batch_size)
     observer = RecurrenceObserver(model, on_capture, device=device, keep_output=keep_output)
     with observer, torch.inference_mode():
-        for start in tqdm(starts, desc=desc, unit="batch", disable=not progress, leave=False):
-            model(input_ids=segments[start : start + batch_size].to(input_device), **forward_kwargs)
+        bar = tqdm(total=segments.numel(), desc=desc, unit="tok", unit_scale=True, disable=not progress,
+                   leave=False)  # tokens/s
+        for start in starts:
+            batch = segments[start : start + batch_size]
+            model(input_ids=batch.to(input_device), **forward_kwargs)
+            bar.update(batch.numel())
+        bar.close()
     return observer
 
 

@@ -56,6 +56,10 @@ def add_cli(subparsers) -> None:
                         help="generation cap in new tokens")
     parser.add_argument("--packed", action="store_true",
                         help="hold integer states bit-packed during the run (slower on CPU; same values)")
+    parser.add_argument("--device", default="cpu",
+                        help="device of the model when --device-map is not given (cuda: fla's chunk kernels "
+                             "for the prefill; the recurrence of every method is still FP32)")
+    parser.add_argument("--device-map", default=None, help="accelerate device map, e.g. auto (several GPUs)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads per process (default 1: fastest on a shared 2-core CPU)")
     parser.add_argument("--jobs", type=int, default=1, help="models evaluated in parallel processes")

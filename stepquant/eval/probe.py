@@ -153,12 +153,16 @@ def drift_probe(model, tokens: torch.Tensor, row_codecs: list, *, prefill_len: i
         seconds["replicate"] = time.perf_counter() - start
 
         inputs = tokens[:, prefill_len:].repeat(num_methods, 1)  # [M * S, D + 1], method-major rows
-        nll = torch.empty(inputs.shape[0], steps)
+        nll = torch.empty(inputs.shape[0], steps, device=inputs.device)
         start = time.perf_counter()
-        for j in tqdm(range(steps), desc=desc, unit="tok", leave=False):
+        bar = tqdm(total=steps * inputs.shape[0], desc=desc, unit="tok", unit_scale=True, leave=False)
+        for j in range(steps):
             logits = _forward_one(model, cache, inputs[:, j])
             nll[:, j] = F.cross_entropy(logits, inputs[:, j + 1], reduction="none")
+            bar.update(inputs.shape[0])
+        bar.close()
         seconds["decode"] = time.perf_counter() - start
+    prefill_nll, nll = prefill_nll.cpu(), nll.cpu()  # the model may be on a GPU; results live on the CPU
     decode_nll = nll.view(num_methods, num_streams, steps)
     excess = excess_nll(decode_nll, 0, window)
     return ProbeResult(prefill_nll, decode_nll, excess, cache.state_bytes(), seconds)
@@ -215,16 +219,19 @@ def greedy_generation(model, prompts: torch.Tensor, row_codecs: list, *, max_new
         cache = CompressedStateCache.replicate(source, model.config, row_codecs, packed=packed)
         del source
         rows = num_methods * num_streams
-        out = torch.full((rows, max_new_tokens), eos_token_id, dtype=torch.long)
+        out = torch.full((rows, max_new_tokens), eos_token_id, dtype=torch.long, device=prompts.device)
         out[:, 0] = boundary_logits.argmax(-1).repeat(num_methods)
         done = out[:, 0] == eos_token_id
-        for j in tqdm(range(1, max_new_tokens), desc=desc, unit="tok", leave=False):
+        bar = tqdm(total=(max_new_tokens - 1) * rows, desc=desc, unit="tok", unit_scale=True, leave=False)
+        for j in range(1, max_new_tokens):
             if bool(done.all()):
                 break
             logits = _forward_one(model, cache, out[:, j - 1])
             out[:, j] = torch.where(done, eos_token_id, logits.argmax(-1))
             done = done | (out[:, j] == eos_token_id)
-    tokens = out.view(num_methods, num_streams, max_new_tokens)
+            bar.update(rows)  # tokens/s over all rows
+        bar.close()
+    tokens = out.cpu().view(num_methods, num_streams, max_new_tokens)
     lengths, capped = first_eos_lengths(tokens, eos_token_id)
     agree = agreement_lengths(tokens, tokens[0:1].expand_as(tokens))
     return GenerationResult(tokens, lengths, capped, agree, time.perf_counter() - start)

@@ -71,7 +71,8 @@ def document_prompts(data: str, tokenizer, count: int, length: int) -> torch.Ten
 def evaluate_model(model_name: str, *, methods: list[str], data: list[str], prefill: int, decode: int,
                    window: int, segments: int, gen_prompts: int, gen_prompt_tokens: int, gen_max_new: int,
                    plans_dir: str | None, plan_paths: list[str], packed: bool, threads: int | None,
-                   skip_missing_plans: bool = False) -> dict:
+                   skip_missing_plans: bool = False, device: str = "cpu",
+                   device_map: str | None = None) -> dict:
     """Everything the table needs for one model, as a JSON-ready dict."""
     from stepquant.data import segments as cut_segments
     from stepquant.models import load, resolve
@@ -79,7 +80,8 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
     if threads:
         torch.set_num_threads(threads)
     started = time.perf_counter()
-    model, tokenizer = load(model_name)
+    model, tokenizer = load(model_name, device=device, device_map=device_map)
+    input_device = model.get_input_embeddings().weight.device
     config = model.config.get_text_config(decoder=True)
     linear_layers = list(linear_layers_of(model.config))
     shape = shape_from_config(resolve(model_name))
@@ -95,13 +97,14 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
     names = [Path(d).stem if d not in SHIPPED_STREAMS else d for d in data]
     probe_tokens = [cut_segments(d, tokenizer, segments, prefill + decode + 1) for d in data]
     rows_of = {n: list(range(i * segments, (i + 1) * segments)) for i, n in enumerate(names)}
-    tokens = torch.cat(probe_tokens)  # [S, P + D + 1]
+    tokens = torch.cat(probe_tokens).to(input_device)  # [S, P + D + 1]
     probe = drift_probe(model, tokens, row_codecs, prefill_len=prefill, window=window, packed=packed,
                         desc=f"{model_name} drift probe")
 
     generation = None
     if gen_max_new > 0 and gen_prompts > 0:
         prompts = torch.cat([document_prompts(d, tokenizer, gen_prompts, gen_prompt_tokens) for d in data])
+        prompts = prompts.to(input_device)
         generation = greedy_generation(model, prompts, row_codecs, max_new_tokens=gen_max_new,
                                        eos_token_id=tokenizer.eos_token_id, packed=packed,
                                        desc=f"{model_name} greedy generation")
@@ -208,7 +211,8 @@ def run_eval(args: argparse.Namespace) -> int:
                   plan_paths=args.plan or [], packed=args.packed, threads=args.threads,
                   prefill=settings["prefill"], decode=settings["decode"], segments=settings["segments"],
                   gen_prompts=settings["gen_prompts"], gen_prompt_tokens=settings["gen_prompt_tokens"],
-                  gen_max_new=settings["gen_max_new"], skip_missing_plans=defaulted)
+                  gen_max_new=settings["gen_max_new"], skip_missing_plans=defaulted,
+                  device=getattr(args, "device", "cpu"), device_map=getattr(args, "device_map", None))
     started = time.perf_counter()
     if args.jobs > 1 and len(models) > 1:
         import multiprocessing
@@ -225,7 +229,9 @@ def run_eval(args: argparse.Namespace) -> int:
         "transformers": transformers.__version__,
         "seconds": time.perf_counter() - started,
         "settings": {**settings, "window": args.window, "block": DEFAULT_BLOCK, "data": data,
-                     "packed": args.packed, "threads": args.threads, "jobs": args.jobs, "quick": args.quick},
+                     "packed": args.packed, "threads": args.threads, "jobs": args.jobs, "quick": args.quick,
+                     "device": getattr(args, "device", "cpu"),
+                     "device_map": getattr(args, "device_map", None)},
         "models": {m: results[m] for m in models},
     }
     paths = write_outputs(record, Path(args.out), plots=not args.no_plots)
