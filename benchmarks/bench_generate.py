@@ -53,6 +53,7 @@ from stepquant.accounting import GIB, MIB, float_bytes, max_batch, stepquant_byt
 from stepquant.accounting.synthetic import synthetic_layer_formats  # noqa: E402
 from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
 from stepquant.families import shape_from_config  # noqa: E402
+from stepquant.kernels.prefill import untuned_triton_autotune  # noqa: E402
 from stepquant.kernels.tables import FormatTables, Pages  # noqa: E402
 from stepquant.models import RANDOM_PRESETS, build_random, count_random_parameters, random_config  # noqa: E402
 
@@ -63,6 +64,12 @@ QUANTIZERS = {
 }  # the committed plans' quantizer
 SHORT = {"qwen3.8-27b": "qwen", "kimi-linear-48b-a3b": "kimi"}
 START = time.time()
+# STEPQUANT_UNTUNED_TRITON=1 (h200_run.sh): autotuned Triton kernels (fla's chunk prefill) run their first
+# configuration, so the first prefill compiles in seconds rather than minutes; the decode kernels timed
+# here (fla's recurrent steps, stepquant's CUDA kernel) are not autotuned either way
+UNTUNED_TRITON = os.environ.get("STEPQUANT_UNTUNED_TRITON") == "1"
+if UNTUNED_TRITON:
+    untuned_triton_autotune()
 
 
 def log(*args) -> None:
@@ -716,6 +723,7 @@ def main(argv=None) -> int:
             "quantizer": args.quantizer,
             "slots_per_request": args.slots_per_request,
             "capacity_context": args.capacity_context,
+            "untuned_triton_autotune": UNTUNED_TRITON,
         },
         "models": {},
         "runs": [],

@@ -37,6 +37,10 @@ done
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export TRITON_INTERPRET=0  # tests/test_kernels.py would otherwise default to the CPU interpreter
 export STEPQUANT_KERNEL_CACHE="${STEPQUANT_KERNEL_CACHE:-$PWD/.kcache}"
+# autotuned Triton kernels (fla's chunk prefill) run their first configuration: seconds, not minutes, of
+# compilation on this bare machine (stepquant.kernels.prefill.untuned_triton_autotune; TUNED_TRITON=1 keeps
+# the autotuning)
+[ -n "${TUNED_TRITON:-}" ] || export STEPQUANT_UNTUNED_TRITON=1
 
 python3 - > "$OUT/env.txt" 2>&1 <<'EOF'
 import platform, torch, triton

@@ -7,3 +7,8 @@ module. On the GPU machine benchmarks/h200_run.sh sets TRITON_INTERPRET=0 and th
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if os.environ.get("STEPQUANT_UNTUNED_TRITON") == "1":  # GPU runs: fla's prefill without minutes of autotuning
+    from stepquant.kernels.prefill import untuned_triton_autotune
+
+    untuned_triton_autotune()

@@ -309,3 +309,27 @@ def test_gpu_rowwise_absmax_and_pack():
     fused_pack_states(layer, slots, x)
     naive_pack_states(ref, slots, x)
     check_against_codec(layer, ref, slots.tolist(), x, None, exact_scales=True)
+
+
+def test_untuned_triton_autotune_runs_the_first_config_only(monkeypatch):
+    """GPU runs (STEPQUANT_UNTUNED_TRITON=1) cut every autotuner to its first configuration: same result."""
+    import triton
+    import triton.language as tl
+    from triton.runtime.autotuner import Autotuner
+
+    from stepquant.kernels.prefill import untuned_triton_autotune
+
+    monkeypatch.setattr(Autotuner, "run", Autotuner.run)  # restored after the test
+
+    @triton.autotune(configs=[triton.Config({"BLOCK": b}) for b in (4, 8, 16)], key=["n"])
+    @triton.jit
+    def add_one(x_ptr, n, BLOCK: tl.constexpr):
+        o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + o, tl.load(x_ptr + o, mask=o < n) + 1, mask=o < n)
+
+    untuned_triton_autotune()
+    untuned_triton_autotune()  # idempotent: one wrapper
+    x = torch.zeros(37)
+    add_one[lambda meta: (triton.cdiv(37, meta["BLOCK"]),)](x, 37)
+    assert [c.kwargs["BLOCK"] for c in add_one.configs] == [4]
+    assert torch.equal(x, torch.ones(37))

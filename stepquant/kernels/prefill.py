@@ -23,6 +23,31 @@ from stepquant.kernels.tables import FormatTables, Pages
 from stepquant.recurrence import expand_key_heads, gated_delta_rule
 
 
+def untuned_triton_autotune() -> None:
+    """Make every Triton autotuner run its first configuration instead of benchmarking them all.
+
+    fla's chunk kernels (the prefill) autotune a dozen configurations per kernel on their first call:
+    minutes of compilation on a fresh machine (the KDA prefill of tests/test_gpu_serving.py once spent
+    more than six minutes there). The GPU tests and bench_generate.py call this when
+    STEPQUANT_UNTUNED_TRITON=1 (benchmarks/h200_run.sh sets it): results are the same up to the order of
+    float sums, only the speed of autotuned kernels is untuned. fla's recurrent decode kernels (the FP32
+    baselines of the benchmarks) are not autotuned, so their timings are unaffected.
+    """
+    from triton.runtime.autotuner import Autotuner
+
+    if getattr(Autotuner.run, "_stepquant_untuned", False):
+        return
+    run = Autotuner.run
+
+    def first_config_run(self, *args, **kwargs):
+        if len(self.configs) > 1:
+            self.configs = self.configs[:1]
+        return run(self, *args, **kwargs)
+
+    first_config_run._stepquant_untuned = True
+    Autotuner.run = first_config_run
+
+
 def _fla_chunk(mode: str):
     try:
         if mode == "kda":
