@@ -94,10 +94,10 @@ def test_packed_cache_on_gpu_matches_the_compressed_cache(name, monkeypatch):
 
     model, plan = shipped_on_gpu(name)
     launches = []  # decode steps that ran a GPU kernel (CUDA where it serves the layer, else Triton)
-    for module, name_ in ((decode_kernels, "fused_packed_decode"), (decode_kernels.cuda, "packed_decode")):
-        kernel = getattr(module, name_)
+    for backend in ("cuda", "triton"):  # decode_step dispatches through this table
+        kernel = decode_kernels._DECODE[backend]
         counted = lambda *a, _kernel=kernel, **kw: launches.append(1) or _kernel(*a, **kw)
-        monkeypatch.setattr(module, name_, counted)
+        monkeypatch.setitem(decode_kernels._DECODE, backend, counted)
     ids = torch.randint(1, 8000, (2, 12), generator=torch.Generator().manual_seed(22)).cuda()
     ours = PackedStateCache(model.config, plan, max_batch=2, device="cuda")
     reference = CompressedStateCache(model.config, plan)

@@ -57,7 +57,13 @@ from transformers.cache_utils import LinearAttentionLayer
 
 from stepquant.codecs import LayerFormat
 from stepquant.families import SUPPORTED_MODEL_TYPES, family_for, linear_layers, shape_from_config
-from stepquant.kernels.decode import decode_step_packed, decode_step_split, naive_unpack_states, pack_states
+from stepquant.kernels.decode import (
+    backend_for,
+    decode_step_packed,
+    decode_step_split,
+    naive_unpack_states,
+    pack_states,
+)
 from stepquant.pool import PackedLayer, PackedStatePool
 
 _ROUTE_MARK = "_stepquant_packed_route"
@@ -103,15 +109,19 @@ def _route(original: Callable) -> Callable:
         g, beta = _argument(args, kwargs, 3, "g"), _argument(args, kwargs, 4, "beta")
         use_qk_l2norm = bool(kwargs.get("use_qk_l2norm_in_kernel", False))
         if value.shape[1] == 1:  # single-token decode: y from the packed slots, slots rewritten in place
-            device = handle.layer.device
-            # q, k [N, H_k, K]; v [N, H, V]; g [N, H] or [N, H, K]; beta [N, H]; FP32 like the model's path
-            step_inputs = [t[:, 0].to(device, torch.float32) for t in (query, key, value, g, beta)]
-            options = dict(scale=kwargs.get("scale"), use_qk_l2norm=use_qk_l2norm)
+            layer = handle.layer
+            # q, k [N, H_k, K]; v [N, H, V]; g [N, H] or [N, H, K]; beta [N, H]. The CUDA kernel reads BF16
+            # or FP32 as it comes and writes y in the model's dtype (no cast kernels); the others take FP32
+            direct = backend_for(layer.tables) == "cuda" and value.device == layer.device
+            step_inputs = [t[:, 0] if direct else t[:, 0].to(layer.device, torch.float32)
+                           for t in (query, key, value, g, beta)]
+            out = torch.empty(value[:, 0].shape, dtype=query.dtype, device=layer.device) if direct else None
+            options = dict(scale=kwargs.get("scale"), use_qk_l2norm=use_qk_l2norm, out=out)
             if handle.split_stream is not None:  # readout here, writeback on the side stream
-                y = decode_step_split(handle.layer, handle.slots, *step_inputs, stream=handle.split_stream,
+                y = decode_step_split(layer, handle.slots, *step_inputs, stream=handle.split_stream,
                                       **options)
             else:
-                y = decode_step_packed(handle.layer, handle.slots, *step_inputs, **options)  # [N, H, V]
+                y = decode_step_packed(layer, handle.slots, *step_inputs, **options)  # [N, H, V]
             return y[:, None].to(device=value.device, dtype=query.dtype), handle
         # several tokens on an existing state: the model's own function from the decoded state, repacked
         initial = naive_unpack_states(handle.layer, handle.slots).to(value.device)  # [N, H, K, V] FP32
