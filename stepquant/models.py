@@ -12,7 +12,9 @@ transformers checkpoint directory works. A shipped model's weights are unpacked 
 
 from __future__ import annotations
 
+import functools
 import importlib
+import inspect
 import json
 from pathlib import Path
 
@@ -49,7 +51,7 @@ def model_type(model: str | Path) -> str:
     return json.loads((resolve(model) / "config.json").read_text())["model_type"]
 
 
-_ORIGINAL_CHUNK_FUNCTIONS: dict[str, object] = {}
+_ORIGINAL_FUNCTIONS: dict[str, object] = {}  # "module.name" -> transformers' function, before any switch
 
 
 def _prefill_functions() -> list[tuple[str, str, str]]:
@@ -62,23 +64,42 @@ def _prefill_functions() -> list[tuple[str, str, str]]:
     return list(seen.values())
 
 
+def _torch_implementation(fn):
+    """transformers' PyTorch implementation behind a recurrence function (its ``__wrapped__``).
+
+    With fla installed, transformers' GDN/KDA functions call fla's Triton kernels whatever the device,
+    which fail on CPU tensors ("Pointer argument cannot be accessed from Triton"); the CPU switch below
+    calls the PyTorch function instead, with the keyword arguments it takes (as transformers' wrapper does).
+    """
+    torch_fn = getattr(fn, "__wrapped__", fn)
+    accepted = inspect.signature(torch_fn).parameters
+
+    @functools.wraps(torch_fn)
+    def torch_only(*args, **kwargs):
+        return torch_fn(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+
+    return torch_only
+
+
 def use_recurrent_prefill(enabled: bool = True) -> None:
-    """Make transformers' multi-token GDN/KDA path run token by token (process-wide switch).
+    """The CPU switch (process-wide): transformers' PyTorch GDN/KDA functions, multi-token calls one by one.
 
     On CPU, transformers' chunked PyTorch fallback is the slow part of a forward pass: the KDA one
     builds a [chunk, chunk, K] decay tensor per chunk and loops 63 times inside each chunk. The
     recurrent fallback computes the same function (same FP32 arithmetic order as the decode path)
-    and is ~6x faster for KDA on 2 CPU cores (2 x 2048 tokens: 10.8 s vs 64.6 s, same loss).
-    On GPU keep the chunked kernels (enabled=False restores them).
+    and is ~6x faster for KDA on 2 CPU cores (2 x 2048 tokens: 10.8 s vs 64.6 s, same loss). Both
+    names are set to the PyTorch implementation even where fla is installed (its kernels do not run on
+    CPU tensors). On GPU keep the model's kernels (enabled=False restores transformers' functions).
     """
     for module_name, chunk_name, recurrent_name in _prefill_functions():
         module = importlib.import_module(module_name)
-        key = f"{module_name}.{chunk_name}"
-        original = _ORIGINAL_CHUNK_FUNCTIONS.setdefault(key, getattr(module, chunk_name))
+        originals = {name: _ORIGINAL_FUNCTIONS.setdefault(f"{module_name}.{name}", getattr(module, name))
+                     for name in (chunk_name, recurrent_name)}
         if not enabled:
-            setattr(module, chunk_name, original)
+            for name, original in originals.items():
+                setattr(module, name, original)
             continue
-        recurrent = getattr(module, recurrent_name)
+        recurrent = _torch_implementation(originals[recurrent_name])
 
         def chunk_as_recurrent(
             query,
@@ -106,6 +127,7 @@ def use_recurrent_prefill(enabled: bool = True) -> None:
             )
 
         setattr(module, chunk_name, chunk_as_recurrent)
+        setattr(module, recurrent_name, recurrent)
 
 
 def load(

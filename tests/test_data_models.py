@@ -95,3 +95,34 @@ def test_shipped_weights_unpack_bit_identical_into_the_cache(tmp_path, monkeypat
     assert checkpoint("gdn") == path
     assert checkpoint(os.path.relpath(assets.MODELS / "gdn")) == path  # the shipped folder by its path
     assert assets.sha256_of(weights) == assets.recorded_sha256(assets.MODELS / "gdn")
+
+
+def test_cpu_models_run_where_fla_would_be_called(shipped, monkeypatch):
+    """With fla installed, transformers' GDN/KDA functions call fla's Triton kernels on any device (they fail
+    on CPU tensors); load() on CPU switches to transformers' PyTorch functions. Simulated here: each function
+    is replaced by a wrapper that, like the fla path, cannot take CPU tensors."""
+    import functools
+    import importlib
+
+    from stepquant import models
+
+    name, model, tokenizer = shipped
+    x = data.segments("wiki", tokenizer, 1, 32)
+    with torch.no_grad():
+        want = model(input_ids=x).logits
+    monkeypatch.setattr(models, "_ORIGINAL_FUNCTIONS", {})
+    for module_name, *function_names in models._prefill_functions():
+        module = importlib.import_module(module_name)
+        for function_name in function_names:
+            torch_fn = getattr(module, function_name)
+            torch_fn = getattr(torch_fn, "__wrapped__", torch_fn)  # the PyTorch function under any switch
+
+            @functools.wraps(torch_fn)
+            def fla_like(*args, **kwargs):
+                raise RuntimeError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
+
+            monkeypatch.setattr(module, function_name, fla_like)
+    models.use_recurrent_prefill(True)
+    with torch.no_grad():
+        got = model(input_ids=x).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
