@@ -81,6 +81,16 @@ def _torch_implementation(fn):
     return torch_only
 
 
+def use_torch_recurrences() -> None:
+    """Set transformers' GDN/KDA functions to their PyTorch implementations (process-wide; a CPU model where
+    fla is installed). use_recurrent_prefill(False) restores transformers' functions."""
+    for module_name, *names in _prefill_functions():
+        module = importlib.import_module(module_name)
+        for name in names:
+            original = _ORIGINAL_FUNCTIONS.setdefault(f"{module_name}.{name}", getattr(module, name))
+            setattr(module, name, _torch_implementation(original))
+
+
 def use_recurrent_prefill(enabled: bool = True) -> None:
     """The CPU switch (process-wide): transformers' PyTorch GDN/KDA functions, multi-token calls one by one.
 
@@ -156,10 +166,15 @@ def load(
     if device_map is None:
         lm.to(device)
     lm.eval()
+    on_cpu = device_map is None and str(device).startswith("cpu")
     if recurrent_prefill is None:
-        recurrent_prefill = device_map is None and str(device).startswith("cpu")
+        recurrent_prefill = on_cpu
     if recurrent_prefill:
         use_recurrent_prefill(True)
+    elif on_cpu:
+        use_torch_recurrences()  # fla's kernels, where installed, fail on CPU tensors
+    else:
+        use_recurrent_prefill(False)  # transformers' own functions (fla's kernels when installed)
     return lm, tokenizer
 
 

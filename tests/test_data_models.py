@@ -97,10 +97,11 @@ def test_shipped_weights_unpack_bit_identical_into_the_cache(tmp_path, monkeypat
     assert assets.sha256_of(weights) == assets.recorded_sha256(assets.MODELS / "gdn")
 
 
-def test_cpu_models_run_where_fla_would_be_called(shipped, monkeypatch):
+@pytest.mark.parametrize("switch", ["use_recurrent_prefill", "use_torch_recurrences"])
+def test_cpu_models_run_where_fla_would_be_called(shipped, switch, monkeypatch):
     """With fla installed, transformers' GDN/KDA functions call fla's Triton kernels on any device (they fail
-    on CPU tensors); load() on CPU switches to transformers' PyTorch functions. Simulated here: each function
-    is replaced by a wrapper that, like the fla path, cannot take CPU tensors."""
+    on CPU tensors); load() on CPU switches to transformers' PyTorch functions (token loop or chunked).
+    Simulated: each function is replaced by a wrapper that, like the fla path, cannot take CPU tensors."""
     import functools
     import importlib
 
@@ -122,7 +123,7 @@ def test_cpu_models_run_where_fla_would_be_called(shipped, monkeypatch):
                 raise RuntimeError("Pointer argument (at 0) cannot be accessed from Triton (cpu tensor?)")
 
             monkeypatch.setattr(module, function_name, fla_like)
-    models.use_recurrent_prefill(True)
+    getattr(models, switch)()
     with torch.no_grad():
         got = model(input_ids=x).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)

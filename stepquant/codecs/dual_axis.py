@@ -179,7 +179,8 @@ def check_row_weights(w: torch.Tensor | None, num_heads: int, key_dim: int, name
 def row_gains(bits: torch.Tensor, config: DualAxisConfig) -> torch.Tensor:
     """gain_b(i) = clip_b / qmax_b of every row of a plan [H, K] as FP32 [H, K]; 0 for FP16 pivot rows."""
     plan = check_bits_plan(bits).to(torch.int64)
-    table = torch.tensor([0.0] + [config.gain(b) for b in BIT_WIDTHS], dtype=torch.float32)
+    gains = [0.0] + [config.gain(b) for b in BIT_WIDTHS]
+    table = torch.tensor(gains, dtype=torch.float32, device=plan.device)
     return table[torch.where(plan == PIVOT_BITS, 0, plan - MIN_BITS + 1)]
 
 
@@ -197,7 +198,7 @@ def row_factor(w: torch.Tensor | None, bits: torch.Tensor, config: DualAxisConfi
     they share one bit width. A kernel loads this per-row tensor with the plan (w=None means w = 1).
     """
     plan = check_bits_plan(bits)
-    w = check_row_weights(w, *plan.shape)
+    w = check_row_weights(w, *plan.shape).to(plan.device)  # the plan's device (CUDA when calibrating there)
     factor = (1.0 / torch.sqrt(w)) * _step_ratio(plan, config)
     return torch.where(plan == PIVOT_BITS, torch.ones_like(factor), factor)
 
@@ -206,7 +207,7 @@ def refit_weights(w: torch.Tensor | None, bits: torch.Tensor, config: DualAxisCo
     """Row weights of the step-5 refit as FP32 [H, K]: w_i^2, or w_i^2 (gain_ref / gain_b(i))^2 with
     config.step_normalised_refit; 0 for pivot rows (they take no part in the fit)."""
     plan = check_bits_plan(bits)
-    w = check_row_weights(w, *plan.shape)
+    w = check_row_weights(w, *plan.shape).to(plan.device)  # the plan's device (CUDA when calibrating there)
     weights = w * w
     if config.step_normalised_refit:
         inverse_step = 1.0 / _step_ratio(plan, config)
