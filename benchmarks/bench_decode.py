@@ -47,6 +47,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from stepquant.accounting.synthetic import spread_widths  # noqa: E402
 from stepquant.codecs import LayerFormat  # noqa: E402
 from stepquant.codecs.base import PIVOT_BITS  # noqa: E402
 from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
@@ -71,34 +72,21 @@ def log(*args) -> None:
 
 # ---------------------------------------------------------------- plans
 
-def _spread(count: int, target_sum: int, choices: list[int], gen: torch.Generator) -> torch.Tensor:
-    """``count`` widths from ``choices`` summing to ``target_sum``, spread over the choices."""
-    widths = torch.tensor(choices)[torch.randint(len(choices), (count,), generator=gen)]
-    lo, hi = min(choices), max(choices)
-    target_sum = min(max(target_sum, lo * count), hi * count)  # tiny dry-run shapes cannot hit it exactly
-    while int(widths.sum()) != target_sum:
-        i = int(torch.randint(count, (1,), generator=gen))
-        if int(widths.sum()) > target_sum and widths[i] > lo:
-            widths[i] -= 1
-        elif int(widths.sum()) < target_sum and widths[i] < hi:
-            widths[i] += 1
-    return widths
-
-
 def synthetic_plan(model: str, bits: int, heads: int, seed: int = 0) -> torch.Tensor:
-    """A plan [H, K] shaped like the paper's at budget ``bits`` (each FP16 pivot replaces an 8-bit unit)."""
+    """A plan [H, K] shaped like the paper's at budget ``bits`` (each FP16 pivot replaces an 8-bit unit; the
+    draw of the committed runs: accounting.synthetic.synthetic_bits draws whole models for bench_generate)."""
     gen = torch.Generator().manual_seed(seed + bits)
     if model == "gdn":
         pivots = max(1, round(heads * GDN_PIVOT_SHARE))
         choices = [b for b in range(bits - 1, bits + 3) if 2 <= b <= 8]
-        head_bits = _spread(heads - pivots, bits * heads - 8 * pivots, choices, gen)
+        head_bits = spread_widths(heads - pivots, bits * heads - 8 * pivots, choices, gen)
         head_bits = torch.cat([head_bits, torch.full((pivots,), PIVOT_BITS)])
         head_bits = head_bits[torch.randperm(heads, generator=gen)]
         return head_bits[:, None].expand(heads, KEY_DIM).to(torch.int8).contiguous()
     rows = heads * KEY_DIM
     pivots = max(1, round(rows * KDA_PIVOT_SHARE))
     choices = [b for b in range(bits - 2, bits + 3) if 2 <= b <= 8]
-    row_bits = _spread(rows - pivots, bits * rows - 8 * pivots, choices, gen)
+    row_bits = spread_widths(rows - pivots, bits * rows - 8 * pivots, choices, gen)
     row_bits = torch.cat([row_bits, torch.full((pivots,), PIVOT_BITS)])
     return row_bits[torch.randperm(rows, generator=gen)].reshape(heads, KEY_DIM).to(torch.int8)
 
