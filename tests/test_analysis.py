@@ -14,6 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from stepquant import assets
 from stepquant.analysis import mechanisms as mech
+from stepquant.analysis.run import compact_json
 from stepquant.calibrate import Plan, RecurrenceObserver
 from stepquant.calibrate.stats import half_lives_from_log_retention
 from stepquant.cli import main
@@ -181,6 +182,13 @@ def test_row_impact_identity_holds_by_direct_propagation(family):
 def test_omega_spread_of_a_constructed_omega():
     omega = torch.arange(1.0, 12.0).repeat(2, 3, 1)  # every head: 1..11, P10 = 2, P90 = 10
     assert mech.omega_spread(omega) == {"median": 5.0, "p10": 5.0, "p90": 5.0, "heads": 6}
+    # KDA rows: omega falling with half-life in every head; GDN rows share their head's half-life
+    tau = torch.arange(11.0, 0.0, -1.0).repeat(2, 3, 1)
+    assert mech.omega_vs_half_life(omega, tau) == {
+        "spearman": pytest.approx(-1.0),
+        "median_within_head": -1.0,
+    }
+    assert mech.omega_vs_half_life(omega, tau[..., 0]) is None
 
 
 # ---------------------------------------------------------------- 3b. row-impact groups and perplexity
@@ -364,7 +372,9 @@ def test_analyze_command_end_to_end_on_a_tiny_model(tmp_path, capsys, family):
         == 0
     )
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    record = json.loads((out / "analysis.json").read_text())
+    text = (out / "analysis.json").read_text()
+    record = json.loads(text)
+    assert json.loads(compact_json(record)) == record and len(text) < len(json.dumps(record, indent=1))
     assert sorted(line["figures"]) == sorted(record["figures"].values()) and len(line["figures"]) == 6
     assert all((out / name).stat().st_size > 1000 for name in line["figures"])
     ours = record["ours"]
@@ -373,6 +383,7 @@ def test_analyze_command_end_to_end_on_a_tiny_model(tmp_path, capsys, family):
         "feedback",
         "row_identity",
         "omega_spread",
+        "omega_vs_half_life",
         "row_ppl",
         "geometry",
         "lifetime_ranks",

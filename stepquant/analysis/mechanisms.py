@@ -338,6 +338,22 @@ def omega_spread(omega: torch.Tensor, floor: float = DEFAULT_OMEGA_FLOOR) -> dic
     return {"median": p50, "p10": p10, "p90": p90, "heads": ratio.numel()}
 
 
+def omega_vs_half_life(omega: torch.Tensor, half_lives: torch.Tensor) -> dict | None:
+    """KDA: Spearman of key rows' omega against their half-lives, over all rows and within each head
+    (median over heads): whether the rows the next read weighs most are also the long-lived ones.
+    None for GDN, whose rows share their head's gate."""
+    omega, tau = torch.as_tensor(omega).double(), torch.as_tensor(half_lives).double()
+    if tau.shape != omega.shape:
+        return None
+    within = torch.tensor(
+        [
+            spearman(o, t)
+            for o, t in zip(omega.reshape(-1, omega.shape[-1]), tau.reshape(-1, tau.shape[-1]), strict=True)
+        ]
+    )
+    return {"spearman": spearman(omega, tau), "median_within_head": float(within.nanmedian())}
+
+
 # ---------------------------------------------------------------- 3b. row-impact groups and perplexity
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-DPI = 80
+DPI = 72
 
 
 def _figure(width: float, height: float):
@@ -62,7 +62,7 @@ def plot_lifetime_error(
         c=_layer_numbers(tuple(errors.shape))[shown],
         cmap="viridis",
         s=3 if many else 22,
-        alpha=0.5 if many else 0.8,
+        alpha=1 if many else 0.8,
         linewidths=0,
     )
     axes.set_xscale("log")
@@ -104,17 +104,19 @@ def plot_feedback(curves: dict, title: str, path: str | Path) -> Path:
 def plot_row_impact_ppl(result: dict, title: str, path: str | Path) -> Path:
     """Fig. 2(a): perplexity increase when one omega-ranked group of key rows is stored in INT4."""
     delta = result["delta_ppl"]
-    groups = range(1, len(delta) + 1)
-    figure = _figure(5, 3.4)
+    groups = list(range(1, len(delta) + 1))
+    # error bars: the standard error of the excess NLL carried to perplexity to first order (ppl x stderr)
+    spread = [result["fp32_ppl"] * s for s in result["excess_nll_stderr"]]
+    figure = _figure(5.6, 3.6)
     axes = figure.add_subplot()
-    axes.plot(list(groups), delta, "o-")
+    axes.errorbar(groups, delta, yerr=spread, fmt="o-", capsize=3)
     axes.axhline(0, color="grey", linewidth=0.5)
     axes.set_xticks(list(groups))
     axes.set_xlabel("row group by calibrated omega within each head (1 = lowest)")
     axes.set_ylabel("perplexity - FP32-state perplexity")
     axes.set_title(
-        f"{title}: FP32-state perplexity {result['fp32_ppl']:.2f}, "
-        f"Spearman {result['spearman_group_vs_delta']:.2f}",
+        f"{title}\nFP32-state perplexity {result['fp32_ppl']:.2f}; "
+        f"Spearman(group, increase) {result['spearman_group_vs_delta']:.2f}",
         fontsize=9,
     )
     return _save(figure, path)
@@ -173,7 +175,7 @@ def plot_lifetime_ranks(
             x.numpy(),
             percentile_ranks(half_lives).numpy(),
             s=2 if many else 14,
-            alpha=0.4 if many else 0.8,
+            alpha=1 if many else 0.8,
             linewidths=0,
         )
         axes.plot([0, 100], [0, 100], color="grey", linewidth=0.6)
@@ -212,11 +214,12 @@ def plot_bit_allocation(plan, title: str, path: str | Path) -> Path:
                 x.reshape(-1).numpy(),
                 y[i].reshape(-1).numpy(),
                 s=2 if many else 16,
-                alpha=0.4 if many else 0.8,
+                alpha=1 if many else 0.8,
                 linewidths=0,
             )
             _end_ticks(axes, x)
             axes.set_yticks(ticks, labels if i == 0 else [""] * len(ticks))
+            axes.set_ylim(min(ticks) - 0.5, max(ticks) + 0.5)
             axes.set_xlabel(name, fontsize=8)
             axes.tick_params(labelsize=7)
             if row == 0:

@@ -24,6 +24,7 @@ import argparse
 import datetime
 import json
 import math
+import re
 import shlex
 import time
 from collections import defaultdict
@@ -115,6 +116,13 @@ def _round(value, digits: int = 6):
     if isinstance(value, float):
         return value if not math.isfinite(value) or value == 0 else float(f"{value:.{digits}g}")
     return value
+
+
+def compact_json(record: dict) -> str:
+    """Indented JSON whose innermost lists of numbers sit on one line (the per-unit arrays stay small)."""
+    text = json.dumps(record, indent=1)
+    return re.sub(r"\[\s*([-+0-9.eE,\sInfinityNa]+?)\s*\]",
+                  lambda m: "[" + ", ".join(x.strip() for x in m.group(1).split(",")) + "]", text)
 
 
 def identity_positions(length: int, count: int) -> list[int]:
@@ -276,7 +284,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         if "lifetime-error" in selected:
             errors = _stack(consumer.errors).mean(1)  # [L, *unit of a layer]
             ours = mech.lifetime_error(calibration.half_lives, errors)
-            ours["half_life"], ours["error"] = calibration.half_lives, errors
+            ours["half_life"], ours["error"] = _round(calibration.half_lives, 4), _round(errors, 4)
             figures["lifetime-error"] = plots.plot_lifetime_error(
                 calibration.half_lives,
                 errors,
@@ -344,6 +352,7 @@ def run_analyze(args: argparse.Namespace) -> int:
 
     if "row-identity" in selected or "row-ppl" in selected:
         results["omega_spread"] = mech.omega_spread(calibration.omega)
+        results["omega_vs_half_life"] = mech.omega_vs_half_life(calibration.omega, calibration.half_lives)
     if "row-ppl" in selected:
         start = time.perf_counter()
         tokens = torch.cat([segments(s, tokenizer, args.ppl_segments, args.ppl_tokens + 1) for s in sources])
@@ -377,7 +386,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         ).name
         results["lifetime_ranks"] = {
             **ours,
-            "half_lives": measured,
+            "half_lives": {s: _round(tau, 4) for s, tau in measured.items()},
             "calibration_half_lives": calibration.half_lives,
         }
     if "bits" in selected:
@@ -425,7 +434,7 @@ def run_analyze(args: argparse.Namespace) -> int:
         "paper": PAPER,
     }
     record = _round(record)
-    (out / "analysis.json").write_text(json.dumps(record, indent=1) + "\n")
+    (out / "analysis.json").write_text(compact_json(record) + "\n")
     if not args.json:
         print(summary_text(record))
     print(
