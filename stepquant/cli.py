@@ -1,4 +1,4 @@
-"""The `stepquant` command line: calibrate | eval | memory.
+"""The `stepquant` command line: calibrate | eval | memory | analyze.
 
 Each sub-command lives next to the code it drives and registers itself through an
 ``add_cli(subparsers)`` function; this file only lists those modules, so adding a command is
@@ -15,6 +15,7 @@ COMMAND_MODULES = (
     "stepquant.accounting.cli",  # memory
     "stepquant.eval.cli",  # eval
     "stepquant.calibrate.cli",  # calibrate
+    "stepquant.analysis.cli",  # analyze
 )
 
 
