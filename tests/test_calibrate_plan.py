@@ -300,3 +300,37 @@ def test_plan_pins_its_quantizer(saved_plans, tmp_path, capsys):
     capsys.readouterr()
     made = Plan.load(out / "stepquant-4")
     assert made.quantizer.grid is Grid.MIDTREAD and "--grid midtread" in made.calibration["command"]
+
+
+def test_row_weights_are_bounded_at_plan_build_and_load(saved_plans, tmp_path):
+    import dataclasses
+
+    from safetensors.torch import load as load_arrays
+    from safetensors.torch import save as save_arrays
+
+    from stepquant.calibrate import StatsConfig
+
+    directory = saved_plans[("gdn", "stepquant")]
+    plan = Plan.load(directory)
+    stats = synthetic_stats(**SHIPPED_GDN, seed=1)
+    huge = stats.w.clone()
+    huge[0, 2, 5] = 1e20  # finite but huge, as from a damaged statistics file
+    with pytest.raises(ValueError, match=r"w of the statistics \(row-impact factors\) must be finite and in"):
+        dataclasses.replace(stats, w=huge)
+    with pytest.raises(ValueError, match=r"layer 0 \(bits\[0\], w\[0\]\): w \(row-impact factors\) must be"):
+        dataclasses.replace(plan, w=(huge[0], *plan.w[1:]))
+    # a plan directory with a consistent integrity block but such a w is refused at load
+    arrays = load_arrays((directory / PLAN_ARRAYS).read_bytes())
+    arrays["w"] = arrays["w"].clone()
+    arrays["w"][0, 2, 5] = 1e20
+    target = tmp_path / "huge-w"
+    target.mkdir()
+    blob = save_arrays(arrays, metadata={"format": "stepquant-plan", "format_version": "1"})
+    (target / PLAN_ARRAYS).write_bytes(blob)
+    plan.write_json(target, blob)
+    with pytest.raises(ValueError, match=r"must be finite and in \[2\^-10, 2\^10\], got values .* to 1e\+20"):
+        Plan.load(target)
+    # calibration settings that could make such a w are refused before any model runs
+    with pytest.raises(ValueError, match="raise --omega-floor or lower --exponent"):
+        StatsConfig(exponent=1.0)
+    StatsConfig(exponent=0.5)  # 1e-6^-0.5 = 1000: within the bound

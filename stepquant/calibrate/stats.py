@@ -44,6 +44,7 @@ from tqdm.auto import tqdm
 import stepquant
 from stepquant.codecs import DualAxisCodec, DualAxisConfig, UniformCodec
 from stepquant.codecs.base import MAX_BITS, MIN_BITS
+from stepquant.codecs.dual_axis import ROW_WEIGHT_RANGE, check_row_weights
 from stepquant.families import ModelShape, get_family
 from stepquant.recurrence import prepare_qk, transition_readout_weights
 
@@ -89,8 +90,7 @@ class StatsConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        _check_exponent(self.exponent)
-        _check_floor(self.omega_floor)
+        _check_spread(self.exponent, self.omega_floor)
         if not isinstance(self.replay_device, str):
             raise TypeError(
                 f"replay_device must be a device string like 'cpu' or 'cuda:0', got {self.replay_device!r}"
@@ -118,14 +118,28 @@ def _check_floor(floor) -> float:
     return float(floor)
 
 
+def _check_spread(exponent, floor) -> tuple[float, float]:
+    """The exponent and floor, checked alone and together: w then stays within ROW_WEIGHT_RANGE."""
+    exponent, floor = _check_exponent(exponent), _check_floor(floor)
+    spread = floor**-exponent  # the largest w_max / geomean (and geomean / w_min) they allow
+    if spread > ROW_WEIGHT_RANGE[1]:
+        raise ValueError(
+            f"omega_floor={floor:g} with exponent={exponent:g} lets the row-impact factors w spread by "
+            f"{spread:.3g} around their geometric mean, beyond the {ROW_WEIGHT_RANGE[1]:g} the quantizer "
+            "accepts: raise --omega-floor or lower --exponent"
+        )
+    return exponent, floor
+
+
 def row_impact_factors(
     omega: torch.Tensor, exponent: float = DEFAULT_EXPONENT, floor: float = DEFAULT_OMEGA_FLOOR
 ) -> torch.Tensor:
     """w [..., K] (FP32) from omega [..., K]: omega floored at ``floor`` x its max over K, to the power
-    ``exponent``, divided by its geometric mean over K (so every head's w has geometric mean 1)."""
+    ``exponent``, divided by its geometric mean over K (so every head's w has geometric mean 1, and
+    floor^exponent <= w <= floor^-exponent, which must lie in the codecs' ROW_WEIGHT_RANGE)."""
     if not isinstance(omega, torch.Tensor) or not omega.is_floating_point():
         raise TypeError(f"omega must be a floating-point tensor [..., K], got {type(omega).__name__}")
-    exponent, floor = _check_exponent(exponent), _check_floor(floor)
+    exponent, floor = _check_spread(exponent, floor)
     omega = omega.to(torch.float64)
     if not bool(torch.isfinite(omega).all()) or bool((omega < 0).any()):
         raise ValueError("omega must be finite and >= 0")
@@ -251,6 +265,8 @@ class CalibrationStats(ModelFields):
             if tuple(value.shape) != tuple(shape):
                 raise ValueError(f"{name} must have shape {list(shape)}, got {list(value.shape)}")
             object.__setattr__(self, name, value.detach().to("cpu", dtype))
+        check_row_weights(self.w.flatten(0, 1), len(layers) * self.num_heads, self.key_dim,
+                          name="w of the statistics")
         if not isinstance(self.settings, dict):
             raise TypeError(f"settings must be a dict, got {type(self.settings).__name__}")
 
