@@ -75,5 +75,5 @@ def _run_from_cli(args: argparse.Namespace) -> int:
     args.data = args.data or [",".join(SHIPPED_STREAMS)]
     args.argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "eval" else getattr(args, "argv", [])
     if args.jobs < 1 or args.threads < 1:
-        raise ValueError("--jobs and --threads must be >= 1")
+        raise ValueError(f"--jobs and --threads must be >= 1, got {args.jobs} and {args.threads}")
     return run_eval(args)
