@@ -1,13 +1,13 @@
 """The method table on one or more models: what `stepquant eval` runs (eval/cli.py parses it).
 
-First every argument, data source, device and output directory is checked and the methods of every
-model are resolved (plans loaded and checked against the model's config), so that nothing the user can
-fix fails after minutes of work. Then for each model: cut S streams of P + D + 1 tokens from the eval data
-(shipped streams "wiki", "sotu", "brown", or the user's own .txt / .jsonl), run the drift probe with every
-method in one batch (stepquant.eval.probe), run greedy generation the same way, and collect bytes per
-request (codec storage, and what the cache measured). eval.json, eval.md and one PNG per model are
-written as each model finishes (a later failure keeps the finished ones); the table is printed, and one
-JSON summary line last.
+First every argument and data source is checked (eval/cli.py checks the device and the output
+directory) and the methods of every model are resolved (plans loaded and checked against the model's
+config), so that nothing the user can fix fails after minutes of work. Then for each model: cut S
+streams of P + D + 1 tokens from the eval data (shipped streams "wiki", "sotu", "brown", or the user's
+own .txt / .jsonl), run the drift probe with every method in one batch (stepquant.eval.probe), run greedy
+generation the same way, and collect bytes per request (codec storage, and what the cache measured).
+eval.json, eval.md and one PNG per model are written as each model finishes (a later failure keeps the
+finished ones); the table is printed, and one JSON summary line last.
 
     stepquant eval --quick --models gdn,kda --out docs/results     # the committed table (docs/eval.md)
     stepquant eval --models gdn --methods int4,stepquant-4 --data my_text.jsonl
@@ -207,8 +207,8 @@ def _worker(args: tuple) -> tuple[str, dict]:
 
 def _check_arguments(args: argparse.Namespace, settings: dict, models: list[str], methods: list[str],
                      data: list[str]) -> None:
-    """Every argument, path and device of the run, before the first model is loaded."""
-    from stepquant.cli import check_device
+    """Every argument and data source of the run, before the first model is loaded (eval/cli.py has
+    checked the output directory and the device)."""
     from stepquant.data import check_source
 
     if not models:
@@ -228,14 +228,10 @@ def _check_arguments(args: argparse.Namespace, settings: dict, models: list[str]
                          f"{args.window}")
     for source in data:
         check_source(source)
-    if getattr(args, "device_map", None) is None:
-        check_device(getattr(args, "device", "cpu"))
 
 
 def run_eval(args: argparse.Namespace) -> int:
     import transformers
-
-    from stepquant.cli import check_output_dir
 
     defaults = QUICK if args.quick else FULL
     settings = {key: getattr(args, key) if getattr(args, key) is not None else value
@@ -254,7 +250,7 @@ def run_eval(args: argparse.Namespace) -> int:
     for model_name in models:  # a missing or mismatched plan of any model, before minutes of the first one
         model_methods(model_name, methods, plans_dir=args.plans_dir, plan_paths=args.plan or [],
                       skip_missing_plans=defaulted)
-    out = check_output_dir(args.out)
+    out = Path(args.out)
     started = time.perf_counter()
     record = {
         "command": "stepquant eval " + " ".join(shlex.quote(a) for a in args.argv),
