@@ -64,27 +64,42 @@ def split_texts(split: str) -> list[str]:
 
 
 def read_user_texts(path: str | Path) -> list[str]:
-    """A user's own text: a .txt file (one document) or .jsonl with a "text" field per line."""
+    """A user's own text: a .txt file (one document) or .jsonl with a "text" field per line, UTF-8.
+
+    Errors name the file and the line: a missing file (with the shipped split names, for a mistyped
+    one), bytes that are not UTF-8, a line that is not a JSON object with a string "text".
+    """
     path = Path(path)
-    if not path.exists():
-        raise FileNotFoundError(f"text file {path} does not exist")
-    if path.suffix == ".jsonl":
-        texts = []
-        with open(path, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if line.strip():
-                    record = json.loads(line)
-                    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                        raise ValueError(
-                            f"{path}:{n}: each JSONL line must be an object with a string 'text' field"
-                        )
-                    texts.append(record["text"])
-        return texts
-    if path.suffix in (".txt", ".md", ""):
-        return [path.read_text(encoding="utf-8")]
-    raise ValueError(
-        f"unsupported text file {path.name!r}: use .txt (one document) or .jsonl ('text' per line)"
-    )
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {path} does not exist, and {str(path)!r} is not a shipped "
+                                f"split ({', '.join(SPLITS)}); give one of those or a .txt / .jsonl path")
+    if path.suffix not in (".jsonl", ".txt", ".md", ""):
+        raise ValueError(
+            f"unsupported text file {path.name!r}: use .txt (one document) or .jsonl ('text' per line)"
+        )
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start}: "
+                         f"{err.reason}); save the file as UTF-8") from None
+    text = text.replace("\r\n", "\n").replace("\r", "\n")  # universal newlines, as text-mode open()
+    if path.suffix != ".jsonl":
+        return [text]
+    texts = []
+    for n, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{n}: not valid JSON ({err.msg}, column {err.colno}); each JSONL line "
+                             "must be an object with a string 'text' field") from None
+        if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+            raise ValueError(f"{path}:{n}: each JSONL line must be an object with a string 'text' field")
+        texts.append(record["text"])
+    return texts
 
 
 def texts_for(data: str | Path) -> list[str]:
@@ -92,6 +107,13 @@ def texts_for(data: str | Path) -> list[str]:
     if isinstance(data, str) and data in SPLITS:
         return split_texts(data)
     return read_user_texts(data)
+
+
+def check_source(data: str | Path) -> None:
+    """Raise unless ``data`` is a shipped split or a readable user text file (read and parsed, so that a
+    mistyped name or a malformed line is reported before any model runs)."""
+    if not (isinstance(data, str) and data in SPLITS):
+        read_user_texts(data)
 
 
 def token_stream(texts: list[str], tokenizer, max_tokens: int | None = None) -> torch.Tensor:

@@ -16,13 +16,25 @@ drive the kernels with its own pages.
   every layer). ``alloc`` hands out zeroed slots (a zeroed slot decodes to the zero state), ``free``
   returns them; exhaustion and double free raise.
 
+Slot ids are plain ints, as serving engines hand them around. What is checked where:
+- ``free`` refuses a slot that is not allocated (double free) and a slot listed twice;
+- every kernel entry point (decode, pack, prefill; CUDA, Triton and the torch reference, any device)
+  refuses slot tensors that are not int32 [N], entries other than -1 (skip the row) and [0, S), a slot
+  named by two rows, and a slot the pool has not handed out: the pool's layers share one ``in_use``
+  mask with their pages (kernels.tables.check_slots), so a decode on a freed slot raises;
+- a freed id that has been allocated again names its new request, which no id check can tell from the
+  old holder; the pool hands out the slot freed longest ago first, so a stale id stays free, and
+  refused, for as long as the pool allows. Drop a request's ids when you free them.
+
 ``bytes_held`` is exactly the formats' bytes per slot (``LayerFormat.bytes``) times the number of
 slots, the serving count of ``stepquant.accounting.plan_bytes``. Torch only; any device.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 
 import torch
 
@@ -130,7 +142,13 @@ class PackedStatePool:
         shards = [f.shard(tp_rank, tp_size) if tp_size > 1 else f for f in formats]
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.layers = [PackedLayer(f, num_slots, value_dim, device) for f in shards]
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
+        # the device mirror of _in_use, shared by every layer's pages: the kernels refuse the other slots
+        # (a normal tensor even under inference_mode: its version counter tells check_slots it changed)
+        with torch.inference_mode(False):
+            self.in_use = torch.zeros(num_slots, dtype=torch.bool, device=self.layers[0].device)
+        for layer in self.layers:
+            layer.pages = replace(layer.pages, in_use=self.in_use)
+        self._free = deque(range(num_slots))  # the slot freed longest ago is handed out first
         self._in_use: set[int] = set()
 
     def __len__(self) -> int:
@@ -163,8 +181,9 @@ class PackedStatePool:
         if count > len(self._free):
             raise RuntimeError(f"state pool exhausted: asked for {count} slots, {len(self._free)} of "
                                f"{self.num_slots} are free")
-        slots = [self._free.pop() for _ in range(count)]
+        slots = [self._free.popleft() for _ in range(count)]
         self._in_use.update(slots)
+        self.in_use[slots] = True
         for layer in self.layers:
             layer.zero_(slots)
         return slots
@@ -178,11 +197,14 @@ class PackedStatePool:
         for s in slots:
             self._in_use.remove(s)
             self._free.append(s)
+        self.in_use[slots] = False
 
     def slot_tensor(self, slots: Sequence[int], device: torch.device | str | None = None) -> torch.Tensor:
-        """int32 slot indices for the kernels (-1 = a batch row to skip)."""
+        """int32 slot indices for the kernels (-1 = a batch row to skip); a normal tensor even under
+        inference_mode, so that the kernels check it once, not at every layer (tables.check_slots)."""
         device = self.layers[0].device if device is None else device
-        return torch.as_tensor(list(slots), dtype=torch.int32, device=device)
+        with torch.inference_mode(False):
+            return torch.as_tensor(list(slots), dtype=torch.int32, device=device)
 
 
 def _check_count(value, name: str) -> None:

@@ -496,8 +496,14 @@ def test_the_nominal_formulas_equal_the_layer_format_count_of_the_shipped_plans(
      (("--preset", "qwen3.8-27b", "--bits", "9"), "bits=9 is out of range"),
      (("--preset", "qwen3.8-27b", "--pivots", "5000"), "pivots=5000 heads do not fit"),
      (("--preset", "qwen3.8-27b", "--plan", "plan.json"), "plan.json does not exist"),
-     (("--preset", "qwen3.8-27b", "--batch", "0"), "batch must be >= 1")],
-    ids=["no-model", "bits-9", "too-many-pivots", "plan-hook", "batch-0"],
+     (("--preset", "qwen3.8-27b", "--batch", "0"), "batch must be >= 1"),
+     (("--config", str(assets.MODELS / "kda"), "--plan", str(assets.PLANS / "gdn" / "stepquant-6")),
+      "the plan was calibrated for 'gdn' (qwen3_5_text, 6 GDN layers x 8 heads of 128x128), not for 'kda': "
+      "model_type 'qwen3_5_text' (GDN) in the plan, 'kimi_linear' (KDA) in the model"),
+     (("--preset", "qwen3.8-27b", "--plan", str(assets.PLANS / "gdn" / "stepquant-6")),
+      "not for 'qwen3.8-27b': linear-attention layers 6 in the plan, 48 in the model")],
+    ids=["no-model", "bits-9", "too-many-pivots", "plan-hook", "batch-0", "plan-of-another-model",
+         "plan-of-another-preset"],
 )
 def test_cli_errors(capsys, argv, message):
     rc, _, err = run_cli(capsys, *argv)

@@ -79,7 +79,9 @@ def _config(name: str, **changes) -> dict:
 
 @pytest.mark.parametrize(
     "config, message",
-    [(lambda: "kda", r"plan is for model_type 'qwen3_5_text' \(GDN\) but the model is 'kimi_linear' \(KDA\)"),
+    [(lambda: "kda", r"the plan was calibrated for 'synthetic' \(qwen3_5_text, 6 GDN layers x 8 heads "
+                     r"of 128x128\), not for 'kda': model_type 'qwen3_5_text' \(GDN\) in the plan, "
+                     r"'kimi_linear' \(KDA\) in the model; give a plan calibrated for this model"),
      (lambda: _config("gdn", linear_num_value_heads=16), "heads per layer 8 in the plan, 16 in the model"),
      (lambda: _config("gdn", linear_key_head_dim=64), "key dim K 128 in the plan, 64 in the model"),
      (lambda: _config("gdn", layer_types=["linear_attention"] * 6 + ["full_attention"] * 2),
@@ -300,3 +302,180 @@ def test_plan_pins_its_quantizer(saved_plans, tmp_path, capsys):
     capsys.readouterr()
     made = Plan.load(out / "stepquant-4")
     assert made.quantizer.grid is Grid.MIDTREAD and "--grid midtread" in made.calibration["command"]
+
+
+def test_row_weights_are_bounded_at_plan_build_and_load(saved_plans, tmp_path):
+    import dataclasses
+
+    from safetensors.torch import load as load_arrays
+    from safetensors.torch import save as save_arrays
+
+    from stepquant.calibrate import StatsConfig
+
+    directory = saved_plans[("gdn", "stepquant")]
+    plan = Plan.load(directory)
+    stats = synthetic_stats(**SHIPPED_GDN, seed=1)
+    huge = stats.w.clone()
+    huge[0, 2, 5] = 1e20  # finite but huge, as from a damaged statistics file
+    with pytest.raises(ValueError, match=r"w of the statistics \(row-impact factors\) must be finite and in"):
+        dataclasses.replace(stats, w=huge)
+    with pytest.raises(ValueError, match=r"layer 0 \(bits\[0\], w\[0\]\): w \(row-impact factors\) must be"):
+        dataclasses.replace(plan, w=(huge[0], *plan.w[1:]))
+    # a plan directory with a consistent integrity block but such a w is refused at load
+    arrays = load_arrays((directory / PLAN_ARRAYS).read_bytes())
+    arrays["w"] = arrays["w"].clone()
+    arrays["w"][0, 2, 5] = 1e20
+    target = tmp_path / "huge-w"
+    target.mkdir()
+    blob = save_arrays(arrays, metadata={"format": "stepquant-plan", "format_version": "1"})
+    (target / PLAN_ARRAYS).write_bytes(blob)
+    plan.write_json(target, blob)
+    with pytest.raises(ValueError, match=r"must be finite and in \[2\^-10, 2\^10\], got values .* to 1e\+20"):
+        Plan.load(target)
+    # calibration settings that could make such a w are refused before any model runs
+    with pytest.raises(ValueError, match="raise --omega-floor or lower --exponent"):
+        StatsConfig(exponent=1.0)
+    StatsConfig(exponent=0.5)  # 1e-6^-0.5 = 1000: within the bound
+
+
+# ---------------------------------------------------------------- never lose or mix a user's work
+
+
+@pytest.fixture
+def no_model_run(monkeypatch):
+    """Fail the test if a model is loaded: what it checks must be found before the expensive part."""
+    import stepquant.models
+
+    monkeypatch.setattr(stepquant.models, "load", lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+def _stats_dir(tmp_path: Path, run_id: str = "run-a") -> Path:
+    import dataclasses
+
+    directory = tmp_path / "calibration"
+    dataclasses.replace(synthetic_stats(**SHIPPED_GDN, seed=1), run_id=run_id).save(directory)
+    return directory
+
+
+def test_calibrate_refuses_to_replace_plans_or_statistics_without_force(tmp_path, capsys, no_model_run):
+    stats = _stats_dir(tmp_path)
+    out = tmp_path / "plans"
+    argv = ["calibrate", "--stats", str(stats), "--bits", "6", "--out", str(out), "--json"]
+    assert main(argv) == 0
+    first = json.loads((out / "stepquant-6" / PLAN_JSON).read_text())["bits"]
+    capsys.readouterr()
+    assert main([*argv[:-1], "--variant", "stepquant,spatial"]) == 2  # stepquant-6 is there: nothing written
+    err = capsys.readouterr().err
+    assert f"--out {out} already holds stepquant-6/ (an earlier calibration)" in err and "--force" in err
+    assert not (out / "spatial-6").exists()
+    assert main([*argv, "--bits", "4"]) == 0  # a new budget beside it is not a conflict
+    assert main([*argv, "--force"]) == 0
+    assert json.loads((out / "stepquant-6" / PLAN_JSON).read_text())["bits"] == first
+    # collecting statistics into a directory that holds some refuses before the model runs
+    assert main(["calibrate", "--model", "gdn", "--out", str(stats)]) == 2
+    assert "already holds stats.safetensors" in capsys.readouterr().err
+    # the recalibrate hint of a committed plan no longer points at the committed directory
+    damaged = tmp_path / "damaged"
+    damaged.mkdir()
+    for name in (PLAN_JSON, PLAN_ARRAYS):
+        (damaged / name).write_bytes((assets.PLANS / "gdn" / "stepquant-6" / name).read_bytes())
+    _truncate(damaged / PLAN_ARRAYS)
+    with pytest.raises(ValueError, match=r"--horizon 2048 --out NEW_DIR \(NEW_DIR: a directory of your"):
+        Plan.load(damaged)
+
+
+def test_an_interrupted_plan_save_leaves_the_old_plan(saved_plans, tmp_path, monkeypatch):
+    import shutil
+
+    directory = tmp_path / "stepquant-6"
+    shutil.copytree(saved_plans[("gdn", "stepquant")], directory)
+    before = {p.name: p.read_bytes() for p in directory.iterdir()}
+    plan = Plan.load(directory)
+    stats = synthetic_stats(**SHIPPED_GDN, seed=2)
+    other = build_plan(stats, allocate(stats, "stepquant", 4), command="pytest")
+
+    def interrupted(self, target, blob):
+        raise KeyboardInterrupt  # the arrays are written, plan.json is not
+
+    monkeypatch.setattr(Plan, "write_json", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        other.save(directory)
+    assert {p.name: p.read_bytes() for p in directory.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stepquant-6"]  # no temporary left behind
+    monkeypatch.undo()
+    assert torch.equal(Plan.load(directory).bits[0], plan.bits[0])
+    other.save(directory)  # replaced as a whole
+    assert Plan.load(directory).budget_bits == 4
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stepquant-6"]
+
+
+def test_plans_are_tied_to_their_statistics_by_a_run_id(tmp_path):
+    import dataclasses
+
+    from stepquant.calibrate import CalibrationStats
+
+    stats_dir = _stats_dir(tmp_path, run_id="run-a")
+    stats = CalibrationStats.load(stats_dir)
+    assert stats.run_id == "run-a"
+    plan_dir = build_plan(stats, allocate(stats, "stepquant", 6)).save(stats_dir / "stepquant-6")
+    assert Plan.load(plan_dir).calibration["stats_run_id"] == "run-a"
+    dataclasses.replace(stats, run_id="run-b").save(stats_dir)  # a rerun into the same --out stopped early
+    with pytest.raises(ValueError, match=r"made from the statistics of calibration run run-a, but .* is from "
+                                         r"run run-b: the directory mixes two calibrations.*--force"):
+        Plan.load(plan_dir)
+    dataclasses.replace(stats, run_id="").save(stats_dir)  # statistics without a run id: nothing to compare
+    Plan.load(plan_dir)
+
+
+def test_statistics_carry_their_checksum(tmp_path):
+    from stepquant.calibrate import CalibrationStats
+
+    path = _stats_dir(tmp_path) / "stats.safetensors"
+    CalibrationStats.load(path)
+    _flip_last_byte(path)  # an array value changes; the file still parses
+    with pytest.raises(ValueError, match="changed since calibration .*sha256 does not match.*recalibrate"):
+        CalibrationStats.load(path)
+    CalibrationStats.load(assets.PLANS / "gdn")  # the committed statistics predate checksums: they load
+
+
+CUDA_ABSENT = pytest.mark.skipif(torch.cuda.is_available(), reason="probes a machine without CUDA")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(("--out", "{file}/sub"), "is not a directory this user can write"),
+     (("--data", "calib2"), "'calib2' is not a shipped split (train, calib, wiki, sotu, brown)"),
+     (("--data", "{bad_utf8}"), "bad.txt:2: not UTF-8 text (byte 0xff"),
+     (("--data", "{bad_jsonl}"), "bad.jsonl:2: not valid JSON"),
+     pytest.param(("--device", "cuda"), "--device cuda: no CUDA GPU is available", marks=CUDA_ABSENT),
+     pytest.param(("--replay-device", "cuda:0"), "--replay-device cuda:0: no CUDA GPU", marks=CUDA_ABSENT),
+     (("--segment-length", "64", "--snapshot-every", "128"), "--snapshot-every must be in 1..--segment-"),
+     (("--exponent", "1"), "raise --omega-floor or lower --exponent"),
+     (("--dtype", "int8"), "--dtype must be one of")],
+    ids=["unwritable-out", "data-typo", "data-not-utf8", "data-bad-json", "no-cuda", "no-cuda-replay",
+         "snapshot-every", "w-spread", "dtype"],
+)
+def test_calibrate_checks_every_argument_before_the_model_runs(tmp_path, capsys, no_model_run, argv, message):
+    paths = {name: tmp_path / file for name, file in
+             (("file", "a-file"), ("bad_utf8", "bad.txt"), ("bad_jsonl", "bad.jsonl"))}
+    paths["file"].write_text("x")
+    paths["bad_utf8"].write_bytes(b"fine\n\xff\n")
+    paths["bad_jsonl"].write_text('{"text": "fine"}\n{"text": \n')
+    argv = [a.format(**paths) for a in argv]
+    out = [] if "--out" in argv else ["--out", str(tmp_path / "out")]
+    assert main(["calibrate", "--model", "gdn", *out, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1  # one clear line, no traceback
+
+
+def test_cli_turns_os_and_runtime_errors_into_one_line(capsys, monkeypatch):
+    import stepquant.accounting.cli as memory_cli
+
+    for error in (PermissionError(13, "Permission denied", "/x/stats.safetensors"),
+                  RuntimeError("CUDA out of memory")):
+        def fail(*args, error=error, **kwargs):
+            raise error
+
+        monkeypatch.setattr(memory_cli, "memory_report", fail)
+        assert main(["memory", "--preset", "qwen3.8-27b"]) == 2
+        assert capsys.readouterr().err.strip() == f"stepquant memory: error: {error}"

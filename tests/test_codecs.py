@@ -155,9 +155,9 @@ def test_bad_bit_plans_and_row_weights_raise():
         MixedCodec(torch.tensor([4, 4]))
     with pytest.raises(ValueError, match=r"w must have shape \[H, K\] = \[1, 2\]"):
         MixedCodec(torch.tensor([[4, 4]]), w=torch.ones(2, 1))
-    with pytest.raises(ValueError, match="finite and > 0"):
+    with pytest.raises(ValueError, match="finite and in"):
         MixedCodec(torch.tensor([[4, 4]]), w=torch.tensor([[1.0, 0.0]]))
-    with pytest.raises(ValueError, match="finite and > 0"):
+    with pytest.raises(ValueError, match="finite and in"):
         DualAxisCodec(4, w=torch.tensor([[1.0, float("nan")]]))
     with pytest.raises(TypeError, match="floating-point"):
         DualAxisCodec(4, w=torch.ones(1, 2, dtype=torch.int64))
@@ -537,10 +537,47 @@ def test_layer_format_is_validated_once_and_builds_its_parts_once():
         LayerFormat(fmt.bits, None, "nope")
     with pytest.raises(ValueError, match=r"values must be in 2\.\.8 or 16"):
         LayerFormat(torch.tensor([[4, 9]]))
-    with pytest.raises(ValueError, match="finite and > 0"):
+    with pytest.raises(ValueError, match="finite and in"):
         LayerFormat(torch.tensor([[4, 4]]), torch.tensor([[1.0, 0.0]]))
     with pytest.raises(TypeError, match="DualAxisConfig"):
         LayerFormat(fmt.bits, config={"grid": "midrise"})
+
+
+@pytest.mark.parametrize("value", [1e20, 2e3, 1e-4, float("inf")], ids=["1e20", "2e3", "1e-4", "inf"])
+def test_row_weights_outside_the_bound_are_refused(value):
+    # finite but huge w (a damaged stats file) used to turn a whole head into NaN
+    w = torch.ones(2, 4)
+    w[0, 1] = value
+    with pytest.raises(ValueError, match=r"finite and in \[2\^-10, 2\^10\].*damaged plan or statistics"):
+        LayerFormat(torch.full((2, 4), 6), w)
+    w[0, 1] = 2.0**10  # the bound itself is accepted, and quantizes without NaN
+    x = torch.randn(3, 2, 4, 8, generator=torch.Generator().manual_seed(1))
+    assert torch.isfinite(LayerFormat(torch.full((2, 4), 6), w).codec().roundtrip(x)).all()
+
+
+@pytest.mark.parametrize("grid, refit_iters, spreads", [("midtread", 2, False), ("midrise", 0, False),
+                                                       ("midrise", 2, True)],
+                         ids=["midtread", "midrise-refit0", "midrise-refit2"])
+@pytest.mark.parametrize("outlier", [1e10, 1e30, 3e38], ids=["1e10", "1e30", "3e38"])
+def test_an_extreme_state_value_saturates_and_stays_in_its_head(grid, refit_iters, spreads, outlier):
+    # what the dual_axis module docstring says of extreme values
+    gen = torch.Generator().manual_seed(2)
+    fmt = LayerFormat(torch.full((2, 16), 6), torch.rand(2, 16, generator=gen) + 0.5, "dual_axis",
+                      DualAxisConfig(grid=grid, refit_iters=refit_iters))
+    x = torch.randn(2, 2, 16, 16, generator=gen)
+    base = fmt.codec().roundtrip(x)
+    x_out = x.clone()
+    x_out[0, 0, 3, 5] = outlier
+    y = fmt.codec().roundtrip(x_out)
+    assert torch.isfinite(y).all() and 9e9 <= float(y[0, 0, 3, 5]) <= 65504.0**2 * 32
+    assert torch.equal(y[0, 1], base[0, 1]) and torch.equal(y[1], base[1])  # other heads and requests
+    rest = torch.ones(16, 16, dtype=torch.bool)
+    rest[3], rest[:, 5] = False, False  # all but the outlier's key row and value column
+    error, error_before = ((y - x_out)[0, 0][rest] ** 2).sum(), ((base - x)[0, 0][rest] ** 2).sum()
+    if spreads:  # mid-rise has no zero level: the outlier row's huge levels pull the refit of every column
+        assert error > 100 * error_before
+    else:
+        assert error < 2 * error_before
 
 
 # ------------------------------------------------------------------------------------------ storage

@@ -127,3 +127,24 @@ def test_cpu_models_run_where_fla_would_be_called(shipped, switch, monkeypatch):
     with torch.no_grad():
         got = model(input_ids=x).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_user_text_errors_name_the_file_and_line(tmp_path):
+    not_utf8 = tmp_path / "latin1.txt"
+    not_utf8.write_bytes("first line\nna\u00efve\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"latin1.txt:2: not UTF-8 text \(byte 0xef at offset 13.*UTF-8"):
+        data.read_user_texts(not_utf8)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"text": "one"}\n\n{"text": "two",}\n')
+    with pytest.raises(ValueError, match=r"broken.jsonl:3: not valid JSON \(.*column 16\); each JSONL"):
+        data.read_user_texts(broken)
+    with pytest.raises(FileNotFoundError, match=r"'wikitxt' is not a shipped split \(train, calib, wiki, "):
+        data.texts_for("wikitxt")
+    with pytest.raises(ValueError, match="unsupported text file 'x.csv'"):
+        (tmp_path / "x.csv").write_text("a,b")
+        data.check_source(tmp_path / "x.csv")
+    windows = tmp_path / "crlf.jsonl"  # universal newlines, as before: \r\n and \r end a line, U+2028 not
+    windows.write_bytes('{"text": "a\u2028b"}\r\n{"text": "c"}\r'.encode())
+    assert data.read_user_texts(windows) == ["a\u2028b", "c"]
+    (tmp_path / "crlf.txt").write_bytes(b"one\r\ntwo\r")
+    assert data.read_user_texts(tmp_path / "crlf.txt") == ["one\ntwo\n"]

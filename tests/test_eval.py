@@ -254,3 +254,69 @@ def test_attribution_diagnostic_variants_change_one_thing_each():
                for i, layer in enumerate(GDN_LINEAR))
     one = variants["stepquant-4@4"]
     assert one[4] is not None and all(one[i].name == "fp32" for i in GDN_LINEAR if i != 4)
+
+
+# ---------------------------------------------------------------- checked before the work
+
+
+@pytest.fixture
+def no_model_run(monkeypatch):
+    import stepquant.models
+
+    monkeypatch.setattr(stepquant.models, "load", lambda *a, **k: pytest.fail("a model was loaded"))
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [(("--methods", ""), "--methods '' lists no method"),
+     (("--methods", " , "), "lists no method: give a comma list"),
+     (("--window", "0"), "--window must be >= 1"),
+     (("--gen-prompt-tokens", "0"), "--gen-prompt-tokens must be >= 1, got 0"),
+     (("--prefill", "1"), "--prefill must be >= 2"),
+     pytest.param(("--device", "cuda"), "--device cuda: no CUDA GPU is available",
+                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="probes a CPU-only machine")),
+     (("--out", "{file}/sub"), "is not a directory this user can write"),
+     (("--data", "wiki,wikii"), "'wikii' is not a shipped split (train, calib, wiki, sotu, brown)"),
+     (("--models", "gdn,gdm"), "no model at gdm"),
+     (("--models", "gdn,kda", "--methods", "stepquant-6", "--plans-dir", "{plans}"),
+      "no calibrated plan at {plans}/kda/stepquant-6"),
+     (("--models", "gdn,kda", "--plan", "{plans}/gdn/stepquant-6"),
+      "the plan was calibrated for 'gdn' (qwen3_5_text, 6 GDN layers x 8 heads of 128x128), not for 'kda'")],
+    ids=["methods-empty", "methods-blank", "window-0", "gen-prompt-tokens-0", "prefill-1", "no-cuda",
+         "unwritable-out", "data-typo", "model-typo", "second-model-without-plan", "second-model-other-plan"],
+)
+def test_eval_checks_every_argument_and_plan_before_the_first_model(tmp_path, capsys, no_model_run, argv,
+                                                                    message):
+    import shutil
+
+    from stepquant import assets
+    from stepquant.cli import main
+
+    plans = tmp_path / "plans"
+    shutil.copytree(assets.PLANS / "gdn" / "stepquant-6", plans / "gdn" / "stepquant-6")
+    (tmp_path / "a-file").write_text("x")
+    paths = {"file": tmp_path / "a-file", "plans": plans}
+    argv = [a.format(**paths) for a in argv]
+    base = ([] if "--models" in argv else ["--models", "gdn"]) + ([] if "--out" in argv else
+                                                                   ["--out", str(tmp_path / "out")])
+    assert main(["eval", "--methods", "int4", "--no-plots", *base, *argv]) == 2
+    err = capsys.readouterr().err
+    assert message.format(**paths) in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "out" / "eval.json").exists()
+
+
+def test_eval_writes_each_model_as_it_finishes(tmp_path, capsys, monkeypatch):
+    import stepquant.eval.run as run
+    from stepquant.cli import main
+
+    def evaluate(model_name, **kwargs):
+        if model_name == "kda":
+            raise RuntimeError("the second model ran out of memory")
+        return _record({"fp32": ("FP32 (reference)", 0.0), "int4": ("INT4", 0.0123)})["models"]["gdn"]
+
+    monkeypatch.setattr(run, "evaluate_model", evaluate)
+    argv = ["eval", "--models", "gdn,kda", "--methods", "int4", "--no-plots", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip() == "stepquant eval: error: the second model ran out of memory"
+    record = json.loads((tmp_path / "eval.json").read_text())
+    assert list(record["models"]) == ["gdn"] and "| INT4 |" in (tmp_path / "eval.md").read_text()

@@ -175,7 +175,7 @@ def test_split_readout_then_writeback_equals_fused(kda):
     bits = mixed_bits(2, 24, (4, 5, 6, 7, 8), seed=14, pivot_rows=2)
     fused = make_layer(bits, value_dim=20, num_slots=3)
     slots = torch.tensor([1, -1, 2], dtype=torch.int32)
-    naive_pack_states(fused, torch.arange(3), torch.randn(3, 2, 24, 20).to(DEVICE))
+    naive_pack_states(fused, torch.arange(3, dtype=torch.int32), torch.randn(3, 2, 24, 20).to(DEVICE))
     split, before_layer = clone_layer(fused), clone_layer(fused)
     q, k, v, g, beta = token_inputs(3, 2, 1, 24, 20, kda, seed=15)
     y_fused = fused_packed_decode(fused, slots, q, k, v, g, beta, use_qk_l2norm=True)
@@ -210,7 +210,7 @@ def test_split_readout_then_writeback_equals_fused(kda):
 def test_all_rows_skipped_and_dispatch():
     bits = mixed_bits(2, 16, (6,), seed=8)
     layer = make_layer(bits, value_dim=16, num_slots=2)
-    naive_pack_states(layer, torch.tensor([0, 1]), torch.randn(2, 2, 16, 16).to(DEVICE))
+    naive_pack_states(layer, torch.tensor([0, 1], dtype=torch.int32), torch.randn(2, 2, 16, 16).to(DEVICE))
     before = [t.clone() for t in layer.tensors()]
     q, k, v, g, beta = token_inputs(2, 2, 2, 16, 16, False, seed=9)
     out = torch.full((2, 2, 16), float("nan"), device=DEVICE)

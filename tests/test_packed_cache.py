@@ -234,9 +234,23 @@ def test_errors_name_the_argument_and_the_fix():
     with pytest.raises(ValueError, match="split=True .* needs device='cuda'"):
         PackedStateCache(model.config, plan, max_batch=1, split=True)
     kda_plan = Plan.load(PLANS / "kda" / "stepquant-6")
-    with pytest.raises(ValueError, match=r"\[H, K\]"):
+    with pytest.raises(ValueError, match=r"the plan was calibrated for 'kda' \(kimi_linear, 6 KDA layers"):
         PackedStateCache(model.config, kda_plan, max_batch=1)
     from transformers import LlamaConfig
 
     with pytest.raises(ValueError, match="not supported"):
         PackedStateCache(LlamaConfig(num_hidden_layers=2), plan, max_batch=1)
+
+
+@pytest.mark.parametrize("cache", ["compressed", "packed"])
+def test_a_plan_of_another_model_is_refused_naming_its_model(cache):
+    # the GDN and KDA models have the same linear-attention layers: the plan's model check tells them apart
+    model, _ = load("kda")
+    plan = Plan.load(PLANS / "gdn" / "stepquant-6")
+    message = (r"the plan was calibrated for 'gdn' \(qwen3_5_text, 6 GDN layers x 8 heads of 128x128\), not "
+               r"for .*: model_type 'qwen3_5_text' \(GDN\) in the plan, 'kimi_linear' \(KDA\) in the model")
+    with pytest.raises(ValueError, match=message):
+        if cache == "compressed":
+            CompressedStateCache(model.config, plan)
+        else:
+            PackedStateCache(model.config, plan, max_batch=1)

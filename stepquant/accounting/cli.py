@@ -27,7 +27,8 @@ def _run_memory(args: argparse.Namespace) -> int:
     shape = get_preset(args.preset) if args.preset is not None else shape_from_config(args.config)
     plan = None
     if args.plan is not None:
-        plan = Plan.load(args.plan)  # counted in the plan's own stored format: its LayerFormats
+        plan = Plan.load(args.plan, model_config=shape)  # refused with the model it was made for if it does
+        # not fit; counted in the plan's own stored format: its LayerFormats
         plan = plan_bytes(plan.layer_formats(), shape,
                           label=f"plan {Path(args.plan).name} ({plan.variant}@{plan.budget_bits})")
     report = memory_report(shape, args.bits, args.pivots, args.batch, args.slots_per_request,

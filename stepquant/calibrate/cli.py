@@ -233,12 +233,54 @@ def _load_stats(args) -> CalibrationStats:
     return stats
 
 
-def _collect(args) -> CalibrationStats:
+def _stats_config(args) -> StatsConfig:
+    """The statistics' settings, validated (before the model runs)."""
+    if args.dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
+    if args.segments < 1 or args.segment_length < 2:
+        raise ValueError(f"need --segments >= 1 and --segment-length >= 2, got {args.segments} and "
+                         f"{args.segment_length}")
+    if not 1 <= args.snapshot_every <= args.segment_length:
+        raise ValueError(f"--snapshot-every must be in 1..--segment-length ({args.segment_length}), got "
+                         f"{args.snapshot_every}: the distortion is measured on state snapshots")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    return StatsConfig(
+        snapshot_every=args.snapshot_every,
+        exponent=DEFAULT_EXPONENT if args.exponent is None else args.exponent,
+        omega_floor=DEFAULT_OMEGA_FLOOR if args.omega_floor is None else args.omega_floor,
+        batch_size=args.batch_size,
+        replay_device=args.replay_device,
+        quantizer=DualAxisConfig(grid=args.grid),
+    )
+
+
+def _check_model_inputs(args) -> None:
+    """The model, its data and its devices exist (before the model is loaded)."""
+    from stepquant.cli import check_device
+    from stepquant.data import check_source
+    from stepquant.models import model_type
+
+    family_for(model_type(args.model))
+    check_source(args.data)
+    if args.device_map is None:
+        check_device(args.device)
+    check_device(args.replay_device, "--replay-device")
+
+
+def _check_targets(out: Path, targets: list[Path], force: bool) -> None:
+    """Refuse to overwrite an earlier calibration's statistics or plans in --out without --force."""
+    taken = [t for t in targets if t.is_file() or (t.is_dir() and any(t.iterdir()))]
+    if taken and not force:
+        names = ", ".join(t.name + ("/" if t.is_dir() else "") for t in taken)
+        raise ValueError(f"--out {out} already holds {names} (an earlier calibration): give a new --out "
+                         "directory, or --force to replace them")
+
+
+def _collect(args, config: StatsConfig) -> CalibrationStats:
     from stepquant.data import segments
     from stepquant.models import load, model_type
 
-    if args.dtype not in DTYPES:
-        raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {args.dtype!r}")
     on_cpu = (args.device_map is None and str(args.device).startswith("cpu")) or (
         args.device_map is not None and not torch.cuda.is_available()
     )
@@ -253,14 +295,6 @@ def _collect(args) -> CalibrationStats:
         recurrent_prefill=token_loop,
     )
     tokens = segments(args.data, tokenizer, args.segments, args.segment_length)
-    config = StatsConfig(
-        snapshot_every=args.snapshot_every,
-        exponent=DEFAULT_EXPONENT if args.exponent is None else args.exponent,
-        omega_floor=DEFAULT_OMEGA_FLOOR if args.omega_floor is None else args.omega_floor,
-        batch_size=args.batch_size,
-        replay_device=args.replay_device,
-        quantizer=DualAxisConfig(grid=args.grid),
-    )
     stats = collect_stats(
         model, tokens, config, model_name=str(args.model), data=str(args.data), progress=not args.no_progress
     )
@@ -283,17 +317,25 @@ def run_calibrate(args: argparse.Namespace) -> int:
     lifetime_weights(torch.zeros(1), args.horizon)
     if args.pivots is not None and args.pivots < 0:
         raise ValueError(f"--pivots must be >= 0, got {args.pivots}")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
-        torch.set_num_threads(args.threads)
-    out = Path(args.out)
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    from stepquant.cli import check_output_dir
+
     started = time.perf_counter()
     if args.stats is not None:
         stats = _load_stats(args)
+    else:
+        config = _stats_config(args)
+        _check_model_inputs(args)
+    out = check_output_dir(args.out)
+    plan_dirs = [out / f"{variant}-{bits}" for variant in variants for bits in bits_list]
+    _check_targets(out, plan_dirs + ([] if args.stats is not None else [out / STATS_FILE]), args.force)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.stats is not None:
         stats_path = Path(args.stats)
     else:
-        stats = _collect(args)
+        stats = _collect(args, config)
         stats_path = stats.save(out)
     calibration_seconds = time.perf_counter() - started
     records = []
@@ -359,7 +401,12 @@ def add_cli(subparsers) -> None:
         "--bits", default="6", help="nominal budget(s) b̄ in bits/value, comma-separated (default 6)"
     )
     parser.add_argument(
-        "--out", required=True, help="output directory (stats.safetensors and the plan directories)"
+        "--out", required=True, help="output directory (stats.safetensors and the plan directories); "
+        "statistics or plans already in it are replaced only with --force"
+    )
+    parser.add_argument(
+        "--force", action="store_true",
+        help="replace the statistics and plan directories an earlier calibration wrote into --out"
     )
     parser.add_argument(
         "--variant",

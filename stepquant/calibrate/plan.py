@@ -18,7 +18,10 @@ Integrity: plan.json stores the sha256 of the plan.safetensors bytes, of the can
 (its "bits" block as compact sorted JSON) and of the whole canonical document without the integrity
 block. :meth:`Plan.load` recomputes all three and refuses a truncated or edited file, naming which
 file changed; it also refuses a plan whose JSON bits disagree with its arrays, and, given a model
-config, a plan made for another model type or shape (naming the mismatch).
+config, a plan made for another model type or shape (naming the mismatch). A plan made from statistics
+with a run id records it (calibration "stats_run_id", optional); :meth:`Plan.load` refuses a plan whose
+directory sits beside a stats.safetensors of another run (a --out directory that mixes two
+calibrations). :meth:`Plan.save` writes the directory atomically (calibrate/files.py).
 
 The API the cache / evaluation code uses:
 
@@ -31,9 +34,9 @@ The API the cache / evaluation code uses:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
+import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,8 +53,9 @@ from stepquant.codecs.dual_axis import DualAxisConfig
 from stepquant.families import ModelShape, family_for, shape_from_config
 
 from .allocate import VARIANTS, Allocation, get_variant
+from .files import canonical, sha256, write_directory, write_file
 from .quantizer import quantizer_from_json, quantizer_to_json
-from .stats import BIT_WIDTHS, CalibrationStats, ModelFields, half_life_census
+from .stats import BIT_WIDTHS, STATS_FILE, CalibrationStats, ModelFields, half_life_census, stats_run_id
 
 PLAN_FORMAT = "stepquant-plan"
 PLAN_FORMAT_VERSION = 2  # 2: the quantizer block is always written; 1: it may be absent (V1_QUANTIZER)
@@ -62,14 +66,6 @@ PLAN_ARRAYS = "plan.safetensors"
 PLAN_PLOT = "half_life_vs_bits.png"
 PIVOT_CHAR = "P"
 _ARRAY_NAMES = ("bits", "w", "half_lives", "lifetime", "distortion", "omega", "mean_log_retention")
-
-
-def _canonical(obj) -> bytes:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
-
-
-def _sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
 
 
 def _pretty(obj, indent: int = 0, width: int = 100) -> str:
@@ -92,7 +88,10 @@ def _pretty(obj, indent: int = 0, width: int = 100) -> str:
 
 def model_shape(model_config) -> ModelShape:
     """The ModelShape (model_type, family, linear-attention layer indices, heads, K, V) of a transformers
-    config (object or dict), a config.json path, a checkpoint directory or a shipped model name ("gdn")."""
+    config (object or dict), a config.json path, a checkpoint directory or a shipped model name ("gdn");
+    a ModelShape is returned as it is."""
+    if isinstance(model_config, ModelShape):
+        return model_config
     if isinstance(model_config, (str, Path)):
         from stepquant.models import resolve
 
@@ -315,9 +314,8 @@ class Plan(ModelFields):
         }
 
     def save(self, directory: str | Path) -> Path:
-        """Write plan.json and plan.safetensors into ``directory`` (created); returns the directory."""
-        directory = Path(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        """Write ``directory`` holding plan.json and plan.safetensors, atomically: an existing directory is
+        replaced as a whole, an interrupted save leaves the old one (calibrate/files.py)."""
         arrays = {
             "bits": torch.stack(self.bits).contiguous(),
             "w": torch.stack(self.w).contiguous(),
@@ -325,22 +323,23 @@ class Plan(ModelFields):
             **{name: getattr(self, name).to(torch.float32).contiguous() for name in _ARRAY_NAMES[2:]},
         }
         blob = save(arrays, metadata={"format": PLAN_FORMAT, "format_version": str(ARRAYS_FORMAT_VERSION)})
-        (directory / PLAN_ARRAYS).write_bytes(blob)
-        self.write_json(directory, blob)
-        return directory
+
+        def fill(temporary: Path) -> None:
+            (temporary / PLAN_ARRAYS).write_bytes(blob)
+            self.write_json(temporary, blob)
+
+        return write_directory(directory, fill)
 
     def write_json(self, directory: str | Path, arrays_blob: bytes) -> Path:
         """Write plan.json (current format version) for the plan.safetensors bytes ``arrays_blob``, with
         the integrity block; studies/migrate_plans.py uses it to rewrite a plan.json alone."""
         document = self._document()
         document["integrity"] = {
-            f"{PLAN_ARRAYS}_sha256": _sha256(arrays_blob),
-            "bits_sha256": _sha256(_canonical(document["bits"])),
-            "plan_sha256": _sha256(_canonical(document)),
+            f"{PLAN_ARRAYS}_sha256": sha256(arrays_blob),
+            "bits_sha256": sha256(canonical(document["bits"])),
+            "plan_sha256": sha256(canonical(document)),
         }
-        path = Path(directory) / PLAN_JSON
-        path.write_text(_pretty(document) + "\n")
-        return path
+        return write_file(Path(directory) / PLAN_JSON, (_pretty(document) + "\n").encode())
 
     @classmethod
     def load(cls, path: str | Path, model_config=None) -> Plan:
@@ -380,14 +379,14 @@ class Plan(ModelFields):
                 f"{json_path} has no integrity block; it was edited or not written by stepquant{redo}"
             )
         blob = arrays_path.read_bytes()
-        if _sha256(blob) != integrity.get(f"{PLAN_ARRAYS}_sha256"):
+        if sha256(blob) != integrity.get(f"{PLAN_ARRAYS}_sha256"):
             raise ValueError(
                 f"{arrays_path} changed since calibration (its sha256 does not match plan.json: "
                 f"truncated, edited or from another plan){redo}"
             )
-        if _sha256(_canonical(document.get("bits"))) != integrity.get("bits_sha256"):
+        if sha256(canonical(document.get("bits"))) != integrity.get("bits_sha256"):
             raise ValueError(f"the bits in {json_path} were edited (their sha256 does not match){redo}")
-        if _sha256(_canonical(document)) != integrity.get("plan_sha256"):
+        if sha256(canonical(document)) != integrity.get("plan_sha256"):
             raise ValueError(f"{json_path} was edited since calibration (its sha256 does not match){redo}")
         arrays = load_safetensors_bytes(blob)
         missing = [name for name in _ARRAY_NAMES if name not in arrays]
@@ -424,22 +423,31 @@ class Plan(ModelFields):
             summary=document.get("summary", {}),
             quantizer=quantizer_from_json(document.get("quantizer"), json_path),
         )
+        _check_run_id(plan, directory)
         if model_config is not None:
             plan.check_model(model_config)
         return plan
 
     def check_model(self, model_config) -> None:
-        """Raise ValueError naming the first difference between this plan and a model config."""
+        """Raise ValueError naming the model the plan was calibrated for and the first difference between
+        it and a model config (or a ModelShape: a preset without model_type and layer indices is compared
+        by family, layer count, heads, K and V)."""
         model = model_shape(model_config)
-        redo = _recalibrate_hint({"calibration": self.calibration})
+        mismatch = (f"the plan was calibrated for {self.model_name or self.model_type!r} ({self.model_type}, "
+                    f"{len(self.linear_layers)} {self.family.upper()} layers x {self.num_heads} heads of "
+                    f"{self.key_dim}x{self.value_dim}), not for {model.name!r}:")
+        redo = "; give a plan calibrated for this model (stepquant calibrate --model MODEL --out NEW_DIR)"
         plan_type = family_for(self.model_type).text_type(self.model_type)
-        if model.family.name != self.family or plan_type != model.family.text_type(model.model_type):
-            raise ValueError(
-                f"the plan is for model_type {self.model_type!r} ({self.family.upper()}) but the model is "
-                f"{model.model_type!r} ({model.family.name.upper()}){redo}"
-            )
+        model_type = model.model_type or model.name
+        if model.family.name != self.family or (
+            model.model_type and plan_type != model.family.text_type(model.model_type)
+        ):
+            raise ValueError(f"{mismatch} model_type {self.model_type!r} ({self.family.upper()}) in the "
+                             f"plan, {model_type!r} ({model.family.name.upper()}) in the model{redo}")
+        layers = ((tuple(self.linear_layers), model.layer_indices) if model.layer_indices
+                  else (len(self.linear_layers), model.linear_layers))  # a preset knows only the count
         checks = (
-            ("linear-attention layers", tuple(self.linear_layers), model.layer_indices),
+            ("linear-attention layers", *layers),
             ("heads per layer", self.num_heads, model.heads),
             ("key dim K", self.key_dim, model.key_dim),
             ("value dim V", self.value_dim, model.value_dim),
@@ -448,15 +456,37 @@ class Plan(ModelFields):
             if planned != actual:
                 planned_text = list(planned) if isinstance(planned, tuple) else planned
                 actual_text = list(actual) if isinstance(actual, tuple) else actual
-                raise ValueError(
-                    f"the plan does not fit the model: {what} {planned_text} in the plan, "
-                    f"{actual_text} in the model{redo}"
-                )
+                raise ValueError(f"{mismatch} {what} {planned_text} in the plan, {actual_text} in the "
+                                 f"model{redo}")
 
 
 def _recalibrate_hint(document: dict) -> str:
+    """The command that made the plan, into a new --out directory (calibrate refuses to overwrite)."""
     command = (document.get("calibration") or {}).get("command")
-    return f"; recalibrate with: {command}" if command else "; recalibrate (stepquant calibrate)"
+    if not command:
+        return "; recalibrate (stepquant calibrate)"
+    parts = shlex.split(command)
+    if "--out" in parts[:-1]:
+        parts[parts.index("--out") + 1] = "NEW_DIR"
+    return f"; recalibrate with: {shlex.join(parts)} (NEW_DIR: a directory of your choice)"
+
+
+def _check_run_id(plan: Plan, directory: Path) -> None:
+    """ValueError if the plan and the stats.safetensors beside it (the layout of `stepquant calibrate
+    --out DIR`) record different calibration runs: the directory mixes two calibrations."""
+    stats_path = directory.parent / STATS_FILE
+    planned = plan.calibration.get("stats_run_id")
+    if not planned or not stats_path.is_file():
+        return
+    found = stats_run_id(stats_path)
+    if found and found != planned:
+        raise ValueError(
+            f"{directory} was made from the statistics of calibration run {planned}, but {stats_path} is "
+            f"from run {found}: the directory mixes two calibrations (a rerun into the same --out that "
+            f"stopped early?); remake the plan from these statistics: stepquant calibrate --stats "
+            f"{shlex.quote(str(directory.parent))} --variant {plan.variant} --bits {plan.budget_bits} "
+            f"--out {shlex.quote(str(directory.parent))} --force"
+        )
 
 
 # ---------------------------------------------------------------- accounting
@@ -627,6 +657,7 @@ def build_plan(stats: CalibrationStats, allocation: Allocation, *, command: str 
         "omega_floor": stats.omega_floor,
         "replay_error_per_layer": [float(e) for e in stats.replay_error],
         "command": command,
+        **({"stats_run_id": stats.run_id} if stats.run_id else {}),
     }
     return Plan(
         model_name=stats.model_name,

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
+import uuid
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -38,15 +39,17 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 from tqdm.auto import tqdm
 
 import stepquant
 from stepquant.codecs import DualAxisCodec, DualAxisConfig, UniformCodec
 from stepquant.codecs.base import MAX_BITS, MIN_BITS
+from stepquant.codecs.dual_axis import ROW_WEIGHT_RANGE, check_row_weights
 from stepquant.families import ModelShape, get_family
 from stepquant.recurrence import prepare_qk, transition_readout_weights
 
+from .files import canonical, sha256, write_file
 from .observers import RecurrenceCapture, RecurrenceObserver, replay, replay_error
 from .quantizer import quantizer_from_json, quantizer_to_json
 
@@ -89,8 +92,7 @@ class StatsConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
-        _check_exponent(self.exponent)
-        _check_floor(self.omega_floor)
+        _check_spread(self.exponent, self.omega_floor)
         if not isinstance(self.replay_device, str):
             raise TypeError(
                 f"replay_device must be a device string like 'cpu' or 'cuda:0', got {self.replay_device!r}"
@@ -118,14 +120,28 @@ def _check_floor(floor) -> float:
     return float(floor)
 
 
+def _check_spread(exponent, floor) -> tuple[float, float]:
+    """The exponent and floor, checked alone and together: w then stays within ROW_WEIGHT_RANGE."""
+    exponent, floor = _check_exponent(exponent), _check_floor(floor)
+    spread = floor**-exponent  # the largest w_max / geomean (and geomean / w_min) they allow
+    if spread > ROW_WEIGHT_RANGE[1]:
+        raise ValueError(
+            f"omega_floor={floor:g} with exponent={exponent:g} lets the row-impact factors w spread by "
+            f"{spread:.3g} around their geometric mean, beyond the {ROW_WEIGHT_RANGE[1]:g} the quantizer "
+            "accepts: raise --omega-floor or lower --exponent"
+        )
+    return exponent, floor
+
+
 def row_impact_factors(
     omega: torch.Tensor, exponent: float = DEFAULT_EXPONENT, floor: float = DEFAULT_OMEGA_FLOOR
 ) -> torch.Tensor:
     """w [..., K] (FP32) from omega [..., K]: omega floored at ``floor`` x its max over K, to the power
-    ``exponent``, divided by its geometric mean over K (so every head's w has geometric mean 1)."""
+    ``exponent``, divided by its geometric mean over K (so every head's w has geometric mean 1, and
+    floor^exponent <= w <= floor^-exponent, which must lie in the codecs' ROW_WEIGHT_RANGE)."""
     if not isinstance(omega, torch.Tensor) or not omega.is_floating_point():
         raise TypeError(f"omega must be a floating-point tensor [..., K], got {type(omega).__name__}")
-    exponent, floor = _check_exponent(exponent), _check_floor(floor)
+    exponent, floor = _check_spread(exponent, floor)
     omega = omega.to(torch.float64)
     if not bool(torch.isfinite(omega).all()) or bool((omega < 0).any()):
         raise ValueError("omega must be finite and >= 0")
@@ -207,6 +223,9 @@ class CalibrationStats(ModelFields):
       replay_error        [L]                 relative RMS of replayed vs model readouts (max over batches)
     tokens: calibration tokens per layer; snapshots: state snapshots per head.
     settings: how the statistics were made (data, segments, length, snapshot_every, dtype, ...).
+    run_id: a random id of the calibration run that measured them ("" for statistics written before
+    run ids); every plan made from them records it (Plan.load checks a plan against the statistics
+    beside it).
     """
 
     mean_log_retention: torch.Tensor
@@ -221,6 +240,7 @@ class CalibrationStats(ModelFields):
     exponent: float = DEFAULT_EXPONENT
     omega_floor: float = DEFAULT_OMEGA_FLOOR
     settings: dict = field(default_factory=dict)
+    run_id: str = ""
 
     def __post_init__(self) -> None:
         self._check_model_fields()
@@ -251,6 +271,8 @@ class CalibrationStats(ModelFields):
             if tuple(value.shape) != tuple(shape):
                 raise ValueError(f"{name} must have shape {list(shape)}, got {list(value.shape)}")
             object.__setattr__(self, name, value.detach().to("cpu", dtype))
+        check_row_weights(self.w.flatten(0, 1), len(layers) * self.num_heads, self.key_dim,
+                          name="w of the statistics")
         if not isinstance(self.settings, dict):
             raise TypeError(f"settings must be a dict, got {type(self.settings).__name__}")
 
@@ -290,16 +312,20 @@ class CalibrationStats(ModelFields):
             "omega_floor": self.omega_floor,
             "bit_widths": list(BIT_WIDTHS),
             "settings": self.settings,
+            **({"run_id": self.run_id} if self.run_id else {}),
         }
 
     def save(self, path: str | Path) -> Path:
-        """Write ``stats.safetensors`` (arrays + JSON metadata) into a directory, or to a file path."""
+        """Write ``stats.safetensors`` (arrays + JSON metadata with their sha256) into a directory, or to
+        a file path, atomically (calibrate/files.py)."""
         path = Path(path)
         if path.suffix != ".safetensors":
             path.mkdir(parents=True, exist_ok=True)
             path = path / STATS_FILE
         tensors = {name: getattr(self, name).contiguous() for name in _ARRAY_FIELDS}
-        save_file(tensors, str(path), metadata={_METADATA_KEY: json.dumps(self._metadata())})
+        metadata = self._metadata()
+        metadata["sha256"] = _stats_sha256(metadata, tensors)
+        write_file(path, save(tensors, metadata={_METADATA_KEY: json.dumps(metadata)}))
         return path
 
     @classmethod
@@ -328,6 +354,10 @@ class CalibrationStats(ModelFields):
         missing = [name for name in _ARRAY_FIELDS if name not in tensors]
         if missing:
             raise ValueError(f"{path} lacks arrays {missing}; recalibrate")
+        recorded = meta.pop("sha256", None)  # absent in statistics written before checksums
+        if recorded is not None and recorded != _stats_sha256(meta, tensors):
+            raise ValueError(f"{path} changed since calibration (its sha256 does not match: damaged or "
+                             "edited); recalibrate")
         return cls(
             model_name=meta["model_name"],
             model_type=meta["model_type"],
@@ -341,8 +371,27 @@ class CalibrationStats(ModelFields):
             exponent=meta["exponent"],
             omega_floor=meta["omega_floor"],
             settings=meta.get("settings", {}),
+            run_id=meta.get("run_id", ""),
             **{name: tensors[name] for name in _ARRAY_FIELDS},
         )
+
+
+def _stats_sha256(metadata: dict, tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 of the canonical metadata (without its own checksum) and the bytes of every array."""
+    parts = [canonical(metadata)]
+    parts += [tensors[name].contiguous().view(torch.uint8).numpy().tobytes() for name in _ARRAY_FIELDS]
+    return sha256(b"".join(parts))
+
+
+def stats_run_id(path: str | Path) -> str:
+    """The run id recorded in a stats.safetensors (its header only; "" when it has none or is unreadable:
+    Plan.load only compares run ids that are there)."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get(_METADATA_KEY, "null"))
+    except Exception:  # safetensors' own error types; CalibrationStats.load reports a damaged file
+        return ""
+    return meta.get("run_id", "") if isinstance(meta, dict) else ""
 
 
 _ARRAY_FIELDS = (
@@ -605,6 +654,7 @@ def collect_stats(
         exponent=config.exponent,
         omega_floor=config.omega_floor,
         settings=settings,
+        run_id=uuid.uuid4().hex,
     )
 
 

@@ -69,11 +69,15 @@ def add_cli(subparsers) -> None:
 
 
 def _run_from_cli(args: argparse.Namespace) -> int:
+    from stepquant.cli import check_device, check_output_dir
     from stepquant.eval.run import run_eval
 
     args.models = args.models or ["gdn,kda"]
     args.data = args.data or [",".join(SHIPPED_STREAMS)]
     args.argv = sys.argv[2:] if len(sys.argv) > 2 and sys.argv[1] == "eval" else getattr(args, "argv", [])
     if args.jobs < 1 or args.threads < 1:
-        raise ValueError("--jobs and --threads must be >= 1")
-    return run_eval(args)
+        raise ValueError(f"--jobs and --threads must be >= 1, got {args.jobs} and {args.threads}")
+    if args.device_map is None:
+        check_device(args.device)
+    check_output_dir(args.out)
+    return run_eval(args)  # checks the other arguments and every model's methods before the first model

@@ -1,10 +1,13 @@
 """The method table on one or more models: what `stepquant eval` runs (eval/cli.py parses it).
 
-For each model: resolve the methods (stepquant.eval.methods), cut S streams of P + D + 1 tokens from the
-eval data (shipped streams "wiki", "sotu", "brown", or the user's own .txt / .jsonl), run the drift probe
-with every method in one batch (stepquant.eval.probe), run greedy generation the same way, and collect
-bytes per request (codec storage, and what the cache measured). Writes eval.json, eval.md and one PNG per
-model, prints the table, and prints one JSON summary line last.
+First every argument and data source is checked (eval/cli.py checks the device and the output
+directory) and the methods of every model are resolved (plans loaded and checked against the model's
+config), so that nothing the user can fix fails after minutes of work. Then for each model: cut S
+streams of P + D + 1 tokens from the eval data (shipped streams "wiki", "sotu", "brown", or the user's
+own .txt / .jsonl), run the drift probe with every method in one batch (stepquant.eval.probe), run greedy
+generation the same way, and collect bytes per request (codec storage, and what the cache measured).
+eval.json, eval.md and one PNG per model are written as each model finishes (a later failure keeps the
+finished ones); the table is printed, and one JSON summary line last.
 
     stepquant eval --quick --models gdn,kda --out docs/results     # the committed table (docs/eval.md)
     stepquant eval --models gdn --methods int4,stepquant-4 --data my_text.jsonl
@@ -30,7 +33,6 @@ from stepquant.eval.methods import DEFAULT_METHODS, DEFAULT_PLANS_DIR, resolve_m
 from stepquant.eval.probe import drift_probe, greedy_generation
 from stepquant.eval.report import markdown_report, write_outputs
 from stepquant.eval.settings import DEFAULT_BLOCK, FULL, QUICK, SHIPPED_STREAMS
-from stepquant.families import linear_layers as linear_layers_of
 from stepquant.families import shape_from_config
 
 
@@ -68,6 +70,19 @@ def document_prompts(data: str, tokenizer, count: int, length: int) -> torch.Ten
                      "generation prompts were asked for; lower --gen-prompts or --gen-prompt-tokens")
 
 
+def model_methods(model_name: str, methods: list[str], *, plans_dir: str | None, plan_paths: list[str],
+                  skip_missing_plans: bool = False) -> list:
+    """The methods of one model, resolved (every plan loaded and checked against the model's config) from
+    its config alone: run_eval calls it for every model before the first one runs."""
+    from stepquant.models import resolve
+
+    config_dir = resolve(model_name)
+    linear_layers = list(shape_from_config(config_dir).layer_indices)
+    return resolve_methods(methods, Path(model_name).name, linear_layers, plans_dir=plans_dir,
+                           plan_paths=plan_paths, model_config=config_dir,
+                           skip_missing_plans=skip_missing_plans)
+
+
 def evaluate_model(model_name: str, *, methods: list[str], data: list[str], prefill: int, decode: int,
                    window: int, segments: int, gen_prompts: int, gen_prompt_tokens: int, gen_max_new: int,
                    plans_dir: str | None, plan_paths: list[str], packed: bool, threads: int | None,
@@ -80,14 +95,12 @@ def evaluate_model(model_name: str, *, methods: list[str], data: list[str], pref
     if threads:
         torch.set_num_threads(threads)
     started = time.perf_counter()
+    resolved = model_methods(model_name, methods, plans_dir=plans_dir, plan_paths=plan_paths,
+                             skip_missing_plans=skip_missing_plans)
     model, tokenizer = load(model_name, device=device, device_map=device_map)
     input_device = model.get_input_embeddings().weight.device
     config = model.config.get_text_config(decoder=True)
-    linear_layers = list(linear_layers_of(model.config))
     shape = shape_from_config(resolve(model_name))
-    plan_key = Path(model_name).name
-    resolved = resolve_methods(methods, plan_key, linear_layers, plans_dir=plans_dir, plan_paths=plan_paths,
-                               model_config=model.config, skip_missing_plans=skip_missing_plans)
     skipped = [m for m in methods if m != "fp32" and m not in {r.name for r in resolved}]
     if skipped:
         print(f"stepquant eval: {model_name}: no calibrated plan for {', '.join(skipped)} (looked in "
@@ -192,6 +205,31 @@ def _worker(args: tuple) -> tuple[str, dict]:
     return model_name, evaluate_model(model_name, **kwargs)
 
 
+def _check_arguments(args: argparse.Namespace, settings: dict, models: list[str], methods: list[str],
+                     data: list[str]) -> None:
+    """Every argument and data source of the run, before the first model is loaded (eval/cli.py has
+    checked the output directory and the device)."""
+    from stepquant.data import check_source
+
+    if not models:
+        raise ValueError("--models lists no model: give shipped names (gdn, kda) or checkpoint directories")
+    if not methods:
+        raise ValueError(f"--methods {args.methods!r} lists no method: give a comma list (e.g. "
+                         "int4,stepquant-4), or leave --methods out for the default comparison")
+    if len(set(data)) != len(data):
+        raise ValueError(f"--data lists a stream more than once: {data}")
+    minimum = {"prefill": 2, "decode": 1, "segments": 1, "gen_prompts": 0, "gen_prompt_tokens": 1,
+               "gen_max_new": 0}
+    for key, low in minimum.items():
+        if settings[key] < low:
+            raise ValueError(f"--{key.replace('_', '-')} must be >= {low}, got {settings[key]}")
+    if args.window < 1:
+        raise ValueError(f"--window must be >= 1 (decode predictions per first / last window), got "
+                         f"{args.window}")
+    for source in data:
+        check_source(source)
+
+
 def run_eval(args: argparse.Namespace) -> int:
     import transformers
 
@@ -200,41 +238,51 @@ def run_eval(args: argparse.Namespace) -> int:
                 for key, value in defaults.items()}
     models = [m for item in args.models for m in item.split(",") if m]
     defaulted = args.methods in (None, "default")
-    methods = list(DEFAULT_METHODS) if defaulted else [m for m in args.methods.split(",") if m]
+    methods = list(DEFAULT_METHODS) if defaulted else [m for m in args.methods.split(",") if m.strip()]
     data = [d for item in args.data for d in item.split(",") if d]
-    if len(set(data)) != len(data):
-        raise ValueError(f"--data lists a stream more than once: {data}")
-    for key in ("prefill", "decode", "segments"):
-        if settings[key] < 1:
-            raise ValueError(f"--{key} must be >= 1, got {settings[key]}")
+    _check_arguments(args, settings, models, methods, data)
     kwargs = dict(methods=methods, data=data, window=args.window, plans_dir=args.plans_dir,
                   plan_paths=args.plan or [], packed=args.packed, threads=args.threads,
                   prefill=settings["prefill"], decode=settings["decode"], segments=settings["segments"],
                   gen_prompts=settings["gen_prompts"], gen_prompt_tokens=settings["gen_prompt_tokens"],
                   gen_max_new=settings["gen_max_new"], skip_missing_plans=defaulted,
                   device=getattr(args, "device", "cpu"), device_map=getattr(args, "device_map", None))
+    for model_name in models:  # a missing or mismatched plan of any model, before minutes of the first one
+        model_methods(model_name, methods, plans_dir=args.plans_dir, plan_paths=args.plan or [],
+                      skip_missing_plans=defaulted)
+    out = Path(args.out)
     started = time.perf_counter()
-    if args.jobs > 1 and len(models) > 1:
-        import multiprocessing
-
-        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(models))) as pool:
-            results = dict(pool.map(_worker, [(m, kwargs) for m in models]))
-    else:
-        results = dict(_worker((m, kwargs)) for m in models)
     record = {
         "command": "stepquant eval " + " ".join(shlex.quote(a) for a in args.argv),
         "machine": machine(),
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "seconds": time.perf_counter() - started,
+        "seconds": 0.0,
         "settings": {**settings, "window": args.window, "block": DEFAULT_BLOCK, "data": data,
                      "packed": args.packed, "threads": args.threads, "jobs": args.jobs, "quick": args.quick,
                      "device": getattr(args, "device", "cpu"),
                      "device_map": getattr(args, "device_map", None)},
-        "models": {m: results[m] for m in models},
+        "models": {},
     }
-    paths = write_outputs(record, Path(args.out), plots=not args.no_plots)
+    results = {}
+
+    def finished(model_name: str, result: dict) -> dict:
+        """Write the outputs with every model done so far: a later failure keeps this model's results."""
+        results[model_name] = result
+        record["models"] = {m: results[m] for m in models if m in results}
+        record["seconds"] = time.perf_counter() - started
+        return write_outputs(record, out, plots=not args.no_plots)
+
+    if args.jobs > 1 and len(models) > 1:
+        import multiprocessing
+
+        with multiprocessing.get_context("spawn").Pool(min(args.jobs, len(models))) as pool:
+            for model_name, result in pool.imap_unordered(_worker, [(m, kwargs) for m in models]):
+                paths = finished(model_name, result)
+    else:
+        for model_name in models:
+            paths = finished(*_worker((model_name, kwargs)))
     print(markdown_report(record))
     summary = {
         "seconds": round(record["seconds"], 1),

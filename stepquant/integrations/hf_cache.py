@@ -91,20 +91,31 @@ def _is_plan(obj) -> bool:
     return callable(getattr(obj, "codec", None)) and hasattr(obj, "linear_layers")
 
 
-def resolve_layer_codecs(spec, linear_layers: Sequence[int]) -> dict[int, Codec]:
-    """{model layer index: codec} for every linear-attention layer, from one codec spec (module docstring)."""
+def check_plan_fits(plan, config, linear_layers: Sequence[int]) -> None:
+    """ValueError unless a plan fits the model: a calibration plan by its own ``check_model(config)``
+    (which names the model it was calibrated for; serving does not import calibration, so a plan is known
+    by its methods), anything else with ``linear_layers`` by those layer indices."""
+    if config is not None and callable(getattr(plan, "check_model", None)):
+        plan.check_model(config)
+        return
+    plan_layers, linear_layers = [int(i) for i in plan.linear_layers], list(linear_layers)
+    if plan_layers != linear_layers:
+        raise ValueError(
+            f"the plan covers linear-attention layers {plan_layers} but the model has {linear_layers}; "
+            "was it calibrated for another model?"
+        )
+
+
+def resolve_layer_codecs(spec, linear_layers: Sequence[int], config=None) -> dict[int, Codec]:
+    """{model layer index: codec} for every linear-attention layer, from one codec spec (module docstring);
+    a plan is checked against ``config`` (the model's) when given."""
     linear_layers = list(linear_layers)
     if isinstance(spec, str):
         spec = make_codec(spec)
     if _is_codec(spec):
         return dict.fromkeys(linear_layers, spec)
     if _is_plan(spec):
-        plan_layers = [int(i) for i in spec.linear_layers]
-        if plan_layers != linear_layers:
-            raise ValueError(
-                f"the plan covers linear-attention layers {plan_layers} but the model has {linear_layers}; "
-                "was it calibrated for another model?"
-            )
+        check_plan_fits(spec, config, linear_layers)
         return {layer: spec.codec(i) for i, layer in enumerate(linear_layers)}
     if isinstance(spec, Mapping):
         if sorted(spec) != sorted(linear_layers):
@@ -374,7 +385,7 @@ class CompressedStateCache(DynamicCache):
         self.linear_layers = list(linear_layers(config))
         if not self.linear_layers:
             raise ValueError("the config has no linear-attention layers to compress")
-        per_group = [resolve_layer_codecs(spec, self.linear_layers) for spec in specs]
+        per_group = [resolve_layer_codecs(spec, self.linear_layers, config) for spec in specs]
         for i in self.linear_layers:
             states = self.layers[i].number_of_states
             layer_codecs = [codecs[i] for codecs in per_group]

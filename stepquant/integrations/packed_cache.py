@@ -51,7 +51,11 @@ from collections.abc import Callable, Sequence
 import torch
 
 # hf_cache first: it raises a clear ImportError when transformers is missing or too old
-from stepquant.integrations.hf_cache import check_transformers_version, config_model_type  # isort: skip
+from stepquant.integrations.hf_cache import (  # isort: skip
+    check_plan_fits,
+    check_transformers_version,
+    config_model_type,
+)
 from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
@@ -275,18 +279,14 @@ class PackedLinearAttentionLayer(LinearAttentionLayer):
             self.conv_states[0] = self.conv_states[0].to(self.device, non_blocking=True)
 
 
-def _layer_formats(plan, linear_layers: list[int]) -> list[LayerFormat]:
+def _layer_formats(plan, config, linear_layers: list[int]) -> list[LayerFormat]:
     """One LayerFormat per linear-attention layer: the list given, or a calibration plan's
-    ``layer_formats()`` (serving does not import calibration, so a plan is known by that method)."""
+    ``layer_formats()`` (serving does not import calibration, so a plan is known by that method), checked
+    against the model's config."""
     if isinstance(plan, Sequence) and plan and all(isinstance(f, LayerFormat) for f in plan):
         formats = list(plan)
     elif callable(getattr(plan, "layer_formats", None)):
-        plan_layers = [int(i) for i in plan.linear_layers]
-        if plan_layers != linear_layers:
-            raise ValueError(
-                f"the plan covers linear-attention layers {plan_layers} but the model has {linear_layers}; "
-                "was it calibrated for another model?"
-            )
+        check_plan_fits(plan, config, linear_layers)
         formats = plan.layer_formats()
     else:
         raise TypeError(
@@ -333,7 +333,7 @@ class PackedStateCache(DynamicCache):
             raise ValueError("the packed pool holds one recurrent state per linear-attention layer")
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         shape = shape_from_config(text.to_dict())
-        formats = _layer_formats(plan, self.linear_layers)
+        formats = _layer_formats(plan, config, self.linear_layers)
         for i, layer in zip(self.linear_layers, formats, strict=True):
             if (layer.num_heads, layer.key_dim) != (shape.heads, shape.key_dim):
                 raise ValueError(

@@ -10,7 +10,10 @@ takes ``(tables, pages, slots, q, k, v, g, beta, ...)``:
 - :class:`Pages`: the packed slots of one layer, ``codes [S, W]`` int32 (docs/format.md),
   ``row_scale [S, Hs, K]`` and ``col_scale [S, Hs, V]`` FP16 (None without column scales). An engine
   allocates them where it wants (``Pages.empty(tables, S)`` gives zeroed ones: a zeroed slot decodes to
-  the zero state) and hands the kernels int32 slot indices into them.
+  the zero state) and hands the kernels int32 slot indices into them; an allocator may attach its
+  ``in_use`` mask, and the kernels then refuse a slot it has not handed out (use after free).
+- :func:`check_slots`: what every kernel entry point checks of its slot indices (one int32 index per
+  batch row, -1 the only "skip this row" value, each slot at most once, in range, in use).
 
 stepquant.pool.PackedStatePool is one user: each of its layers holds a FormatTables and Pages.
 """
@@ -21,6 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from stepquant.codecs import LayerFormat, dual_axis
 from stepquant.codecs.base import PIVOT_BITS, Grid
@@ -148,11 +152,14 @@ class Pages:
     codes:     int32 [S, W]        code words of each slot
     row_scale: fp16  [S, Hs, K]    row scales of the scaled heads (layout.scaled_heads order)
     col_scale: fp16  [S, Hs, V]    column scales, or None (spatial="absmax")
+    in_use:    bool  [S]           the slots an allocator has handed out (updated in place by it), or
+                                   None: every slot may be used (check_slots)
     """
 
     codes: torch.Tensor
     row_scale: torch.Tensor
     col_scale: torch.Tensor | None = None
+    in_use: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, tables: FormatTables, num_slots: int) -> Pages:
@@ -214,6 +221,11 @@ def check_pages(tables: FormatTables, pages: Pages) -> None:
     expected = {"codes": (torch.int32, (num_slots, tables.words_per_slot)),
                 "row_scale": (torch.float16, (num_slots, scaled, tables.key_dim)),
                 "col_scale": (torch.float16, (num_slots, scaled, tables.value_dim))}
+    in_use = pages.in_use
+    if in_use is not None and (in_use.dtype != torch.bool or tuple(in_use.shape) != (num_slots,)
+                               or in_use.device != tables.device):
+        raise ValueError(f"pages.in_use must be a bool tensor [{num_slots}] on {tables.device}, got "
+                         f"{in_use.dtype} {list(in_use.shape)} on {in_use.device}")
     if (pages.col_scale is not None) != tables.has_col_scale:
         raise ValueError(f"the format {'has' if tables.has_col_scale else 'has no'} column scales but "
                          f"pages.col_scale is {'None' if pages.col_scale is None else 'given'}")
@@ -222,6 +234,65 @@ def check_pages(tables: FormatTables, pages: Pages) -> None:
         if t is not None and (t.dtype != dtype or tuple(t.shape) != shape or t.device != tables.device):
             raise ValueError(f"pages.{name} must be {dtype} {list(shape)} on {tables.device}, got {t.dtype} "
                              f"{list(t.shape)} on {t.device}")
+
+
+_CHECKED = WeakIdKeyDictionary()  # slots tensor -> (its version, the pages' slot count, in_use, its version)
+
+
+def check_slots(slots: torch.Tensor, pages: Pages) -> None:
+    """TypeError / ValueError unless ``slots`` are the slot indices of a batch into ``pages``.
+
+    slots must be an int32 tensor [N], one entry per batch row (the callers check the other inputs
+    against N); each entry is -1 (skip the row: its output and every slot untouched; no other negative
+    value is accepted) or a slot in [0, num_slots) that no other row names and, when the pages carry an
+    allocator's ``in_use`` mask, one it has handed out.
+
+    The value checks are one small reduction and, for a CUDA tensor, one device-to-host sync, paid once
+    per tensor: a slots tensor that passed is not checked again until it is modified in place (its
+    version counter) or the in_use mask changes, so the serving loop, which hands every layer of every
+    token the same tensor, pays it once per batch. Inference tensors (made under torch.inference_mode)
+    have no version counter and are checked at every call; ``PackedStatePool.slot_tensor`` makes normal
+    ones. Inside CUDA graph capture (no sync allowed) only the dtype and the shape are checked.
+    """
+    if not isinstance(slots, torch.Tensor) or slots.dtype != torch.int32 or slots.dim() != 1:
+        is_tensor = isinstance(slots, torch.Tensor)
+        got = f"{slots.dtype} {list(slots.shape)}" if is_tensor else type(slots).__name__
+        raise TypeError(f"slots must be an int32 tensor [N] (one slot index per batch row, -1 to skip a "
+                        f"row), got {got}")
+    in_use = pages.in_use
+    versioned = not slots.is_inference() and (in_use is None or not in_use.is_inference())
+    key = versioned and (slots._version, pages.num_slots, in_use, None if in_use is None else in_use._version)
+    seen = _CHECKED.get(slots) if versioned else None
+    if seen is not None and seen[2] is in_use and seen == key:  # `is` first: no tensor == on in_use
+        return
+    if slots.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    index = slots.to(torch.int64)
+    bad = (index < -1) | (index >= pages.num_slots)
+    ordered = index.sort().values
+    twice = (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)
+    if in_use is not None:
+        free = (index >= 0) & ~in_use.to(index.device)[index.clamp(0, pages.num_slots - 1)]
+        bad = bad | free
+    if bool(bad.any() | twice.any()):  # the one sync; the message is built on the host
+        _raise_bad_slots(index.cpu(), pages.num_slots, None if in_use is None else in_use.cpu())
+    if versioned:
+        _CHECKED[slots] = key
+
+
+def _raise_bad_slots(index: torch.Tensor, num_slots: int, in_use: torch.Tensor | None) -> None:
+    values = index.tolist()
+    out_of_range = [s for s in values if s < -1 or s >= num_slots]
+    if out_of_range:
+        raise ValueError(f"slot indices must be -1 (skip the row) or in [0, {num_slots}), got "
+                         f"{out_of_range[:8]}")
+    repeated = sorted({s for s in values if s >= 0 and values.count(s) > 1})
+    if repeated:
+        raise ValueError(f"slots {repeated[:8]} are named by more than one batch row; each row needs its "
+                         "own slot (two rows would write one state)")
+    free = [s for s in values if s >= 0 and not bool(in_use[s])]
+    raise ValueError(f"slots {free[:8]} are not allocated (freed, or never handed out by the pool): a "
+                     "request's slot ids are valid from alloc until free")
 
 
 def _as_index(slots, num_slots: int, device: torch.device) -> torch.Tensor:

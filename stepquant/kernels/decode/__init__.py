@@ -7,14 +7,16 @@ the CUDA kernel where it serves the layer (V = 128, K a multiple of 16, nvcc at 
 kernel otherwise; elsewhere the torch reference. It updates the slots in place and returns the readout.
 :func:`pack` (the boundary pack after a prefill) dispatches the same way; :func:`decode_split` is the
 paper's split step. ``decode_step_packed``, ``pack_states`` and ``decode_step_split`` run them on a
-``pool.PackedLayer`` (its tables and pages, after its pending side-stream writeback).
+``pool.PackedLayer`` (its tables and pages, after its pending side-stream writeback). Every backend
+checks its slot indices first (tables.check_slots: int32 [N], -1 the only skip value, in range, no slot
+twice, allocated when the pages carry the pool's in_use mask).
 """
 
 from __future__ import annotations
 
 import torch
 
-from stepquant.kernels.tables import FormatTables, Pages
+from stepquant.kernels.tables import FormatTables, Pages, check_slots
 
 from . import cuda
 from .fused import PARTS, fused_decode, fused_pack, fused_pack_states, fused_packed_decode
@@ -118,10 +120,11 @@ def decode_split(
     if not cuda.supported(tables):
         raise ValueError("decode_split runs the CUDA kernel's parts: the layer must be on a CUDA device "
                          "with V = 128 and K a multiple of 16, and nvcc must be at hand")
+    check_slots(slots, pages)  # before the copy to the device, which would hide the caller's dtype
     device = tables.device
     current = torch.cuda.current_stream(device)
     q, k, v, g, beta = (cuda._as_input(t, device) for t in (q, k, v, g, beta))
-    slots = slots.to(device, torch.int32).contiguous()
+    slots = slots.to(device).contiguous()
     work = torch.empty(v.shape, dtype=torch.float32, device=device)
     kwargs = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, work=work)
     y = cuda.decode(tables, pages, slots, q, k, v, g, beta, out=out, part="readout", **kwargs)

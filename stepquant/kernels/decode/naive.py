@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from stepquant.codecs.packing import pack, unpack
-from stepquant.kernels.tables import FormatTables, Pages, check_pages
+from stepquant.kernels.tables import FormatTables, Pages, check_pages, check_slots
 from stepquant.recurrence import prepare_qk, step
 
 
@@ -43,7 +43,7 @@ def naive_decode(
     part: "fused" (both), "readout" (y only) or "writeback" (slots only), as the Triton kernel.
     debug (a dict) receives "x": the float state X [n, H, K, V] of the active rows before requantizing.
     """
-    check_pages(tables, pages)
+    check_token_inputs(tables, pages, slots, q, k, v, g, beta)
     num_rows = v.shape[0]
     if out is None:
         out = torch.zeros(num_rows, tables.num_heads, tables.value_dim, dtype=v.dtype, device=v.device)
@@ -66,7 +66,7 @@ def naive_decode(
 
 def naive_pack(tables: FormatTables, pages: Pages, slots: torch.Tensor, states: torch.Tensor) -> None:
     """Quantize FP32 states [N, H, K, V] with the format's codec and write them into ``slots`` (-1: skip)."""
-    check_pages(tables, pages)
+    check_states(tables, pages, slots, states)
     active = torch.nonzero(slots.to(torch.int64) >= 0).flatten()
     if active.numel() == 0:
         return
@@ -84,11 +84,11 @@ def naive_unpack(tables: FormatTables, pages: Pages, slots: torch.Tensor) -> tor
 def check_token_inputs(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta, *,
                        chunk: bool = False) -> None:
     """ValueError naming the argument and its shape unless the inputs fit the layer and the rows of
-    ``slots``: one decode token (q, k [N, H_k, K]) or, with chunk=True, T tokens (q, k [N, T, H_k, K])."""
+    ``slots`` (tables.check_slots): one decode token (q, k [N, H_k, K]) or, with chunk=True, T tokens
+    (q, k [N, T, H_k, K])."""
     check_pages(tables, pages)
+    check_slots(slots, pages)
     heads, key_dim, value_dim = tables.num_heads, tables.key_dim, tables.value_dim
-    if slots.dim() != 1:
-        raise ValueError(f"slots must be one slot index per request, shape [N]; got {list(slots.shape)}")
     rows, dims = slots.shape[0], "N, T" if chunk else "N"
     if q.dim() != (4 if chunk else 3) or q.shape[0] != rows or q.shape[-1] != key_dim or k.shape != q.shape:
         raise ValueError(f"q and k must have shape [{dims}, H_k, K] with N={rows} (len(slots)), K={key_dim}; "
@@ -109,6 +109,7 @@ def check_token_inputs(tables: FormatTables, pages: Pages, slots: torch.Tensor, 
 def check_states(tables: FormatTables, pages: Pages, slots: torch.Tensor, states: torch.Tensor) -> None:
     """ValueError unless ``states`` is [N, H, K, V] for the N rows of ``slots`` (the boundary pack)."""
     check_pages(tables, pages)
+    check_slots(slots, pages)
     expected = (slots.shape[0], tables.num_heads, tables.key_dim, tables.value_dim)
     if tuple(states.shape) != expected:
         raise ValueError(f"states must have shape [N, H, K, V] = {list(expected)}, got {list(states.shape)}")
