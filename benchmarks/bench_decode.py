@@ -96,6 +96,7 @@ HEADLINE_VARIANTS = ("cuda fused (reciprocal, 1 refit)", "cuda fused (exact, 2 r
 # the quantizers timed: the committed plans' (exact division, two refits) and the kernel's contract
 EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)
 RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
+RECIPROCAL_0 = DualAxisConfig(division="reciprocal", refit_iters=0)  # no refit: the c init is kept
 
 
 def make_layer(bits: torch.Tensor, spatial: str, num_slots: int, config: DualAxisConfig = EXACT_2,
@@ -306,6 +307,7 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
         uniform = torch.full((heads, KEY_DIM), bits, dtype=torch.int8)
         # (variant, spatial, quantizer, part, backend)
         todo = [("cuda fused (reciprocal, 1 refit)", "dual_axis", RECIPROCAL_1, "fused", "cuda"),
+                ("cuda fused (reciprocal, no refit)", "dual_axis", RECIPROCAL_0, "fused", "cuda"),
                 ("cuda fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "cuda")]
         if bits in args.split_bits:
             todo += [("cuda fused (reciprocal, 1 refit) 16 warps", "dual_axis", RECIPROCAL_1, "fused",

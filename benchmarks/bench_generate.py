@@ -57,9 +57,10 @@ from stepquant.kernels.prefill import untuned_triton_autotune  # noqa: E402
 from stepquant.kernels.tables import FormatTables, Pages  # noqa: E402
 from stepquant.models import RANDOM_PRESETS, build_random, count_random_parameters, random_config  # noqa: E402
 
-FORMATS = ("fp32", "fp32-assign", "bf16", "sq6", "sq4", "sq6-split")
+FORMATS = ("fp32", "fp32-assign", "bf16", "sq6", "sq6-r0", "sq4", "sq6-split")
 QUANTIZERS = {
     "reciprocal1": DualAxisConfig(division="reciprocal", refit_iters=1),  # the CUDA kernel's contract
+    "reciprocal0": DualAxisConfig(division="reciprocal", refit_iters=0),  # sq6-r0: no refit (docs/kernels.md)
     "exact2": DualAxisConfig(division="exact", refit_iters=2),
 }  # the committed plans' quantizer
 SHORT = {"qwen3.8-27b": "qwen", "kimi-linear-48b-a3b": "kimi"}
@@ -100,6 +101,8 @@ def make_cache(fmt: str, model, batch: int, device: torch.device, quantizer: Dua
     if fmt == "bf16":
         return FloatStateCache(model.config, torch.bfloat16)
     bits = int(fmt[2])
+    if fmt.endswith("-r0"):  # no refit: no worse at 6 bits (docs/results/quantizer_check_r0.md)
+        quantizer = QUANTIZERS["reciprocal0"]
     formats = synthetic_layer_formats(state_shape(model), bits, seed, quantizer)
     return PackedStateCache(
         model.config, formats, max_batch=batch, device=device, split=fmt.endswith("split")

@@ -4,7 +4,7 @@ Each quantizer configuration is one nvcc build of stepquant/kernels/decode/packe
 core); without this they compile one after another at first use. Run before the tests on a GPU machine:
 
     python benchmarks/build_cuda.py --jobs 16        # prints one line per library, then the total time
-    python benchmarks/build_cuda.py --jobs 16 --serving-only   # the 7 libraries bench_generate.py uses
+    python benchmarks/build_cuda.py --jobs 16 --serving-only   # only the libraries bench_generate.py uses
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from stepquant.kernels.decode import cuda  # noqa: E402
 from stepquant.kernels.tables import FormatTables  # noqa: E402
 
 RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
+RECIPROCAL_0 = DualAxisConfig(division="reciprocal", refit_iters=0)  # the kernel's contract without a refit
 EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)  # the committed plans' quantizer
 PACK_EXACT = DualAxisConfig(refit_iters=0, row_stat="absmax")  # test_cuda_kernel's exact pack check
 
 # (spatial, quantizer, part, kda, debug)
-DUAL = (RECIPROCAL_1, EXACT_2)
+DUAL = (RECIPROCAL_1, RECIPROCAL_0, EXACT_2)
 CONFIGS = (
     [("dual_axis", q, part, kda, False) for q in DUAL for part in ("fused", "readout", "writeback")
      for kda in (False, True)]
@@ -45,7 +46,7 @@ def main(argv=None) -> int:
     parser.add_argument("--serving-only", action="store_true",
                         help="only what a serving decode with the kernel's quantizer uses "
                              "(bench_generate.py): fused, readout, writeback (GDN and KDA) and pack, "
-                             "reciprocal quantizer, no debug")
+                             "reciprocal quantizer with one refit or none, no debug")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to build (the CPU tests build the emulation on their own)")
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
     configs = CONFIGS + [("dual_axis", RECIPROCAL_1, part, kda, "16 warps") for kda in (False, True)
                          for part in ("fused", "readout")]
     if args.serving_only:
-        configs = [c for c in CONFIGS if c[1] is RECIPROCAL_1 and c[4] is False and c[0] == "dual_axis"]
+        configs = [c for c in CONFIGS
+                   if c[1] in (RECIPROCAL_1, RECIPROCAL_0) and c[4] is False and c[0] == "dual_axis"]
     rows = cuda.TUNING["SQ_ROWS"]  # the default, or STEPQUANT_CUDA_ROWS
     for spatial, quantizer, part, kda, debug in configs:
         cuda.TUNING["SQ_ROWS"] = 8 if debug == "16 warps" else rows

@@ -10,7 +10,7 @@
 # benchmarks/bench_generate.py (greedy decode of production-shape random-weight models per state format,
 # capacity by allocation vs the model): generate.log, bench_generate.{json,md,png}; NO_GENERATE=1 skips it,
 # GENERATE_TIMEOUT (default 210 s) bounds it, GENERATE_ARGS passes options. ONLY_GENERATE=1 runs just the
-# install, the 7 CUDA libraries a serving decode uses and that step (about 5 minutes).
+# install, the CUDA libraries a serving decode uses and that step (about 5 minutes).
 #
 #   OUT=/some/dir bash benchmarks/h200_run.sh          (BENCH_ARGS=--quick for a shorter benchmark)
 #   ONLY_GENERATE=1 OUT=/some/dir bash benchmarks/h200_run.sh

@@ -3,12 +3,14 @@
 The CUDA decode kernel is fastest with ``division="reciprocal"`` and one refit (docs/kernels.md); the
 shipped plans record the first quantizer (exact division, two refits). This study takes each shipped
 STEPQuant and spatial-only plan, writes it again with only its quantizer changed (same bits, same w):
-"-r1" reciprocal with one refit, "-r2" reciprocal with two refits, and evaluates the original and both
-versions in one ``stepquant eval --quick`` run per model (same streams, same batch), then reports each
-version's excess NLL and its paired difference to the original over the eval's blocks (mean and
-standard error of the per-block differences).
+"-r1" reciprocal with one refit, "-r2" reciprocal with two refits, "-r0" reciprocal without a refit (the
+column scales stay the clamped column maxima: 22% fewer kernel instructions per value than r1), and
+evaluates the original and the versions in one ``stepquant eval --quick`` run per model (same streams,
+same batch), then reports each version's excess NLL and its paired difference to the original over the
+eval's blocks (mean and standard error of the per-block differences).
 
     python -m studies.quantizer_check --model gdn --out runs/quantizer_check      # ~40 min on 2 cores
+    python -m studies.quantizer_check --model kda --plans stepquant-6,stepquant-4 --versions r0 --out DIR
     python -m studies.quantizer_check --table runs/quantizer_check                # the table only
 
 Writes <out>/<model>/ (the plans and the eval) and, with --table, quantizer_check.md and .json beside them.
@@ -29,26 +31,28 @@ from stepquant import assets
 from stepquant.calibrate.plan import Plan
 
 BASE_PLANS = ("stepquant-6", "stepquant-4", "spatial-6", "spatial-4")
-VERSIONS = {"r1": dict(division="reciprocal", refit_iters=1),
+VERSIONS = {"r0": dict(division="reciprocal", refit_iters=0),
+            "r1": dict(division="reciprocal", refit_iters=1),
             "r2": dict(division="reciprocal", refit_iters=2)}
 
 
-def write_versions(model: str, out: Path) -> list[Path]:
-    """The quantizer versions of every base plan of ``model`` under out/model/plans, in eval order."""
+def write_versions(model: str, out: Path, plans=BASE_PLANS, versions=("r1", "r2")) -> list[Path]:
+    """The quantizer versions of the named shipped plans of ``model`` under out/model/plans, in eval order."""
     paths = []
-    for name in BASE_PLANS:
+    for name in plans:
         plan = Plan.load(assets.PLANS / model / name)
-        for tag, fields in VERSIONS.items():
+        for tag in versions:
+            fields = VERSIONS[tag]
             path = out / model / "plans" / f"{name}-{tag}"
             dataclasses.replace(plan, quantizer=dataclasses.replace(plan.quantizer, **fields)).save(path)
             paths.append(path)
     return paths
 
 
-def run_eval(model: str, out: Path) -> None:
-    plans = write_versions(model, out)
+def run_eval(model: str, out: Path, plans=BASE_PLANS, versions=("r1", "r2")) -> None:
+    paths = write_versions(model, out, plans, versions)
     command = [sys.executable, "-m", "stepquant.cli", "eval", "--models", model, "--methods",
-               ",".join(("fp32",) + BASE_PLANS), *[a for p in plans for a in ("--plan", str(p))], "--quick",
+               ",".join(("fp32", *plans)), *[a for p in paths for a in ("--plan", str(p))], "--quick",
                "--out", str(out / model / "eval"), "--no-plots"]
     print(" ".join(command), flush=True)
     subprocess.run(command, check=True)
@@ -68,9 +72,13 @@ def table(out: Path) -> dict:
         methods = json.loads((model_dir / "eval" / "eval.json").read_text())["models"][model]["methods"]
         rows = []
         for name in BASE_PLANS:
+            if name not in methods:
+                continue
             base = _blocks(methods[name])
             for version in ("", *VERSIONS):
                 key = f"{name}-{version}" if version else name
+                if key not in methods:
+                    continue
                 record = methods[key]
                 diffs = [a - b for a, b in zip(_blocks(record), base, strict=True)]
                 rows.append(dict(plan=name, version=version or "exact/2 (shipped)",
@@ -86,8 +94,9 @@ def table(out: Path) -> dict:
 def markdown(result: dict) -> str:
     lines = ["# Quantizer versions of the shipped plans: paired excess NLL", "",
              "`python -m studies.quantizer_check --model M --out DIR` (stepquant eval --quick: P = 512, "
-             "D = 1024, 3 streams; the same bits and w, only the quantizer changed). r1: reciprocal "
-             "division, one refit (the CUDA kernel's fast path); r2: reciprocal, two refits. Differences to "
+             "D = 1024, 3 streams; the same bits and w, only the quantizer changed). r0: reciprocal "
+             "division, no refit; r1: reciprocal, one refit (the CUDA kernel's fast path); r2: reciprocal, "
+             "two refits. Differences to "
              "the shipped plan are paired over the eval's blocks (nats/token, mean +- standard error).", ""]
     for model, rows in result.items():
         lines += [f"## {model}", "", "| plan | quantizer | excess NLL | difference to shipped | in SE |",
@@ -106,12 +115,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["gdn", "kda"], help="evaluate this shipped model's versions")
     parser.add_argument("--out", type=Path, default=Path("runs/quantizer_check"))
+    parser.add_argument("--plans", default=",".join(BASE_PLANS), help="shipped plans to vary (comma list)")
+    parser.add_argument("--versions", default="r1,r2", help=f"quantizer versions, of {list(VERSIONS)}")
     parser.add_argument("--table", type=Path, default=None, help="only write the table of an earlier --out")
     args = parser.parse_args(argv)
     if args.table is None:
         if args.model is None:
             parser.error("give --model, or --table DIR")
-        run_eval(args.model, args.out)
+        plans, versions = args.plans.split(","), args.versions.split(",")
+        unknown = [p for p in plans if p not in BASE_PLANS] + [v for v in versions if v not in VERSIONS]
+        if unknown:
+            parser.error(f"unknown plan or version {unknown}: plans of {list(BASE_PLANS)}, versions of "
+                         f"{list(VERSIONS)}")
+        run_eval(args.model, args.out, tuple(plans), tuple(versions))
         out = args.out
     else:
         out = args.table

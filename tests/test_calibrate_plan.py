@@ -304,6 +304,32 @@ def test_plan_pins_its_quantizer(saved_plans, tmp_path, capsys):
     assert made.quantizer.grid is Grid.MIDTREAD and "--grid midtread" in made.calibration["command"]
 
 
+
+def test_calibrate_division_and_refit_options(tmp_path, capsys):
+    from stepquant.calibrate.quantizer import quantizer_to_json
+    from stepquant.codecs.dual_axis import DualAxisConfig
+
+    # --division / --refit-iters pick the quantizer version (the CUDA kernel's fast reciprocal contract);
+    # statistics measured with it are used and the plan records it, other statistics are refused
+    fast = DualAxisConfig(division="reciprocal", refit_iters=0)
+    stats = synthetic_stats(**SHIPPED_KDA, seed=2)
+    object.__setattr__(stats, "settings", {"quantizer": quantizer_to_json(fast)})
+    out = tmp_path / "fast"
+    stats.save(out)
+    options = ["--division", "reciprocal", "--refit-iters", "0"]
+    assert main(["calibrate", "--stats", str(out), "--bits", "6", "--variant", "stepquant", *options,
+                 "--out", str(out), "--no-progress"]) == 0
+    capsys.readouterr()
+    made = Plan.load(out / "stepquant-6")
+    assert made.quantizer == fast and made.codec(0).config == fast
+    assert "--division reciprocal --refit-iters 0" in made.calibration["command"]
+    assert main(["calibrate", "--stats", str(out), "--bits", "6", "--variant", "stepquant",
+                 "--out", str(tmp_path / "refused"), "--no-progress"]) == 2
+    assert "collect statistics with the plan's quantizer" in capsys.readouterr().err
+    assert main(["calibrate", "--stats", str(out), "--bits", "6", "--refit-iters", "-1",
+                 "--out", str(tmp_path / "bad"), "--no-progress"]) == 2
+    assert "--refit-iters must be >= 0" in capsys.readouterr().err
+
 def test_row_weights_are_bounded_at_plan_build_and_load(saved_plans, tmp_path):
     import dataclasses
 

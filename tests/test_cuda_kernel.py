@@ -33,6 +33,7 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c+
 
 CONFIGS = {
     "reciprocal-refit1": dict(division="reciprocal", refit_iters=1),
+    "reciprocal-refit0": dict(division="reciprocal", refit_iters=0),
     "exact-refit2": dict(division="exact", refit_iters=2, clip=0.9),
     "absmax-refit0-midtread": dict(division="exact", refit_iters=0, grid="midtread", row_stat="absmax"),
     "reciprocal-absmax-refit0-midtread": dict(division="reciprocal", refit_iters=0, grid="midtread",
@@ -197,7 +198,8 @@ def _gpu_case(bits, key_heads, kda, num_rows, spatial="dual_axis", **config):
     gpu_decode_case(cuda.decode, bits, key_heads, kda, num_rows, spatial, **config)
 
 
-QUANTIZERS = {"reciprocal-refit1": CONFIGS["reciprocal-refit1"], "exact-refit2": dict(refit_iters=2)}
+QUANTIZERS = {"reciprocal-refit1": CONFIGS["reciprocal-refit1"],
+              "reciprocal-refit0": CONFIGS["reciprocal-refit0"], "exact-refit2": dict(refit_iters=2)}
 
 
 @pytest.mark.gpu

@@ -20,7 +20,13 @@ from pathlib import Path
 import torch
 
 from stepquant.codecs.base import Grid
-from stepquant.codecs.dual_axis import DEFAULT_GRID, DualAxisConfig
+from stepquant.codecs.dual_axis import (
+    DEFAULT_DIVISION,
+    DEFAULT_GRID,
+    DEFAULT_REFIT_ITERS,
+    DIVISIONS,
+    DualAxisConfig,
+)
 from stepquant.families import KDA, family_for
 
 from .allocate import (
@@ -170,6 +176,16 @@ def _unit_text(unit: dict) -> str:
     return f"L{unit['layer']}.h{unit['head']}" + (f".r{unit['row']}" if "row" in unit else "")
 
 
+def _quantizer_options(args) -> list[str]:
+    """The quantizer's options of the command line, where they differ from the defaults."""
+    parts = ["--grid", args.grid] if args.grid != DEFAULT_GRID.value else []
+    if args.division != DEFAULT_DIVISION:
+        parts += ["--division", args.division]
+    if args.refit_iters != DEFAULT_REFIT_ITERS:
+        parts += ["--refit-iters", str(args.refit_iters)]
+    return parts
+
+
 def _stats_command(args) -> str:
     parts = [
         "stepquant calibrate",
@@ -192,8 +208,7 @@ def _stats_command(args) -> str:
         parts += ["--omega-floor", repr(args.omega_floor)]
     if args.device_map:
         parts += ["--device-map", args.device_map]
-    if args.grid != DEFAULT_GRID.value:
-        parts += ["--grid", args.grid]
+    parts += _quantizer_options(args)
     return " ".join(parts)
 
 
@@ -205,8 +220,8 @@ def _plan_command(args, variant: str, bits: int) -> str:
         parts += ["--pivots", str(args.pivots)]
     if args.candidates:
         parts += ["--candidates", args.candidates]
-    if args.stats and args.grid != DEFAULT_GRID.value:
-        parts += ["--grid", args.grid]
+    if args.stats:
+        parts += _quantizer_options(args)
     parts += ["--out", shlex.quote(str(args.out))]
     return " ".join(parts)
 
@@ -233,6 +248,13 @@ def _load_stats(args) -> CalibrationStats:
     return stats
 
 
+def _quantizer(args) -> DualAxisConfig:
+    """The dual-axis quantizer the distortion table is measured with and the plans record."""
+    if args.refit_iters < 0:
+        raise ValueError(f"--refit-iters must be >= 0, got {args.refit_iters}")
+    return DualAxisConfig(grid=args.grid, division=args.division, refit_iters=args.refit_iters)
+
+
 def _stats_config(args) -> StatsConfig:
     """The statistics' settings, validated (before the model runs)."""
     if args.dtype not in DTYPES:
@@ -251,7 +273,7 @@ def _stats_config(args) -> StatsConfig:
         omega_floor=DEFAULT_OMEGA_FLOOR if args.omega_floor is None else args.omega_floor,
         batch_size=args.batch_size,
         replay_device=args.replay_device,
-        quantizer=DualAxisConfig(grid=args.grid),
+        quantizer=_quantizer(args),
     )
 
 
@@ -347,7 +369,7 @@ def run_calibrate(args: argparse.Namespace) -> int:
                 stats, variant, bits, pivots=pivots, candidates=plan_candidates, horizon=args.horizon
             )
             plan = build_plan(stats, allocation, command=_plan_command(args, variant, bits),
-                              quantizer=DualAxisConfig(grid=args.grid))
+                              quantizer=_quantizer(args))
             directory = plan.save(out / f"{variant}-{bits}")
             plan = Plan.load(directory, model_config=args.model)  # what a consumer will read, verified
             accounting = plan.accounting()
@@ -492,6 +514,21 @@ def add_cli(subparsers) -> None:
         f"{DEFAULT_GRID.value}): the distortion table is measured with it and the plans record it in "
         "plan.json; with --stats the statistics must have been measured with the same grid. On KDA at "
         "4 bits midtread halved STEPQuant's excess NLL (docs/results/grid_probe_kda.md)",
+    )
+    parser.add_argument(
+        "--division",
+        choices=list(DIVISIONS),
+        default=DEFAULT_DIVISION,
+        help=f"the quantizer's division (default {DEFAULT_DIVISION}): reciprocal is the CUDA decode "
+        "kernel's fast contract (docs/kernels.md, 'Exact arithmetic'; on the shipped plans no worse in "
+        "excess NLL: docs/results/quantizer_check.md)",
+    )
+    parser.add_argument(
+        "--refit-iters",
+        type=int,
+        default=DEFAULT_REFIT_ITERS,
+        help=f"weighted least-squares column refits (default {DEFAULT_REFIT_ITERS}); the CUDA kernel is "
+        "fastest with 1 (or 0: measured no worse at 6 bits, 5.6 standard errors worse at 4 bits on GDN)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")

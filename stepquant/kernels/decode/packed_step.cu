@@ -355,44 +355,39 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // rows, made those heads 2.5x slower per value; decoding four rows at a time through a per-lane stash in
 // local memory cost ~1.5x; see docs/kernels.md.)
 
-// levels of a mixed-width row of b <= 8 bits (the layout of levels<B>)
+// levels of a mixed-width row of b <= 7 bits (the layout of levels<B>; 8-bit rows take levels<8>): each
+// plane present (4, 2, 1 bits, widest first) is spread so that value c's bits land in byte c (two
+// shift-and-mask steps per plane and row), the planes are ORed at the code bits they hold, and each value
+// is then one byte permute into the FP32 bits 0x4A800000 | (code << 1) (that float is 2^22 + code) and
+// one subtraction: per value 2 instructions plus ~1/4 of the row's ~15, against one shift and one
+// mask-and-or per plane and value when the planes are merged value by value.
 __device__ __forceinline__ void levels_any(const int* row, int b, int lane, float* z) {
     const uint8_t* base = reinterpret_cast<const uint8_t*>(row);
-    uint32_t u[COLS] = {0x4A800000u, 0x4A800000u, 0x4A800000u, 0x4A800000u};
+    uint32_t bytes = 0;
     int words = 0;  // the planes before this one
-    if (b & 8) {
-        const uint32_t c8 = reinterpret_cast<const uint32_t*>(base)[lane];
-        u[0] = and_or<0x1FEu>(c8 << 1, u[0]);
-        u[1] = and_or<0x1FEu>(c8 >> 7, u[1]);
-        u[2] = and_or<0x1FEu>(c8 >> 15, u[2]);
-        u[3] = and_or<0x1FEu>(c8 >> 23, u[3]);
-        words += 32;
+    if (b & 4) {  // code bits 0..3: nibble c of the chunk -> byte c
+        uint32_t c4 = reinterpret_cast<const uint16_t*>(base)[lane];
+        c4 = (c4 | (c4 << 8)) & 0x00FF00FFu;
+        bytes = (c4 | (c4 << 4)) & 0x0F0F0F0Fu;
+        words = 16;
     }
-    if (b & 4) {
-        const uint32_t c4 = reinterpret_cast<const uint16_t*>(base + 4 * words)[lane];
-        u[0] = and_or<0x1Eu>(c4 << 1, u[0]);
-        u[1] = and_or<0x1Eu>(c4 >> 3, u[1]);
-        u[2] = and_or<0x1Eu>(c4 >> 7, u[2]);
-        u[3] = and_or<0x1Eu>(c4 >> 11, u[3]);
-        words += 16;
-    }
-    if (b & 2) {  // code bits (b & ~3).. of the 4 values, at bit 2c of the chunk
-        const int o = (b & ~3) + 1;
-        const uint32_t c2 = uint32_t(base[4 * words + lane]) << o, mask = 0x3u << o;
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) u[c] |= (c2 >> (2 * c)) & mask;
+    if (b & 2) {  // code bits (b & 4).. : field c (bits 2c, 2c + 1) of the chunk -> byte c
+        uint32_t c2 = base[4 * words + lane];
+        c2 = (c2 | (c2 << 12)) & 0x000F000Fu;
+        bytes |= ((c2 | (c2 << 6)) & 0x03030303u) << (b & 4);
         words += 8;
     }
-    if (b & 1) {  // code bit (b & ~1) of the 4 values, at bit c of the chunk
-        const int o = (b & ~1) + 1;
-        const uint32_t c1 = ((uint32_t(base[4 * words + (lane >> 1)]) >> ((lane & 1) * 4)) & 0xFu) << o;
-        const uint32_t mask = 0x1u << o;
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) u[c] |= (c1 >> c) & mask;
+    if (b & 1) {  // code bit (b & 6): bit c of the lane's nibble -> byte c
+        uint32_t c1 = (uint32_t(base[4 * words + (lane >> 1)]) >> ((lane & 1) * 4)) & 0xFu;
+        c1 = (c1 | (c1 << 14)) & 0x00030003u;
+        bytes |= ((c1 | (c1 << 7)) & 0x01010101u) << (b & 6);
     }
+    bytes <<= 1;  // 2 * code per byte (b <= 7 bits: no carry out of a byte)
     const float off = MAGIC_LEVEL + (SQ_MIDRISE ? float(1 << (b - 1)) - 0.5f : float(1 << (b - 1)));
-#pragma unroll
-    for (int c = 0; c < COLS; ++c) z[c] = __uint_as_float(u[c]) - off;
+    z[0] = __uint_as_float(__byte_perm(bytes, 0x4A800000u, 0x7640)) - off;
+    z[1] = __uint_as_float(__byte_perm(bytes, 0x4A800000u, 0x7641)) - off;
+    z[2] = __uint_as_float(__byte_perm(bytes, 0x4A800000u, 0x7642)) - off;
+    z[3] = __uint_as_float(__byte_perm(bytes, 0x4A800000u, 0x7643)) - off;
 }
 
 // store the codes (a byte each) of a mixed-width row of b <= 8 bits (the layout of store_codes<B>)
@@ -703,23 +698,29 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     const float c_old[COLS] = {c_old4.x, c_old4.y, c_old4.z, c_old4.w};
 
     // ---- 1. levels (or the float state) and readout partials
-    float acc[4][COLS];  // k^T D S and q^T D S of integer rows (times c later), then of pivot rows
+    // k^T D S and q^T D S over the warp's rows, before the factor c_j of the integer rows: a pivot row
+    // (c = 1) enters as its values times 1 / c_j (relative error 2^-24 per term, like the sum's own)
+    float acc[2][COLS];
+    float inv_c[COLS] = {1.f, 1.f, 1.f, 1.f};
 #pragma unroll
-    for (int a = 0; a < 4; ++a)
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) acc[a][c] = 0.f;
+    for (int c = 0; c < COLS; ++c) {
+        acc[0][c] = acc[1][c] = 0.f;
+        if (KIND == 0) inv_c[c] = __frcp_rn(c_old[c]);
+    }
     const int* stage = reinterpret_cast<const int*>(sm.stage);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int i = row0 + r;
         const int b = KIND ? KIND : (sm.rinfo[i] & 31);
         row_pivot[r] = b == 16;
+        float z[COLS];  // what the readout sums: x, or for a pivot row x / c
         if constexpr (FROM_CODES) {
             if constexpr (KIND) {
                 levels<KIND>(load_chunks<KIND>(stage + row_offset(i), lane), x[r]);
             } else {
                 const int* row = stage + row_offset(i);
                 if (row_pivot[r]) pivot_values(row, lane, x[r]);
+                else if (b == 8) levels<8>(load_chunks<8>(row, lane), x[r]);
                 else levels_any(row, b, lane, x[r]);
             }
         } else {
@@ -727,13 +728,14 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             if (row0 < K) v4 = *reinterpret_cast<const float4*>(p.x_in + ((nh * K + i) * V + 4 * lane));
             x[r][0] = v4.x; x[r][1] = v4.y; x[r][2] = v4.z; x[r][3] = v4.w;
         }
+#pragma unroll
+        for (int c = 0; c < COLS; ++c) z[c] = (KIND == 0 && row_pivot[r]) ? __fmul_rn(x[r][c], inv_c[c]) : x[r][c];
         if constexpr (DO_READOUT) {
             const float4 rc = sm.row[i];
-            const int o = (KIND == 0 && row_pivot[r]) ? 2 : 0;
 #pragma unroll
             for (int c = 0; c < COLS; ++c) {
-                acc[o][c] = __fmaf_rn(rc.x, x[r][c], acc[o][c]);
-                acc[o + 1][c] = __fmaf_rn(rc.y, x[r][c], acc[o + 1][c]);
+                acc[0][c] = __fmaf_rn(rc.x, z[c], acc[0][c]);
+                acc[1][c] = __fmaf_rn(rc.y, z[c], acc[1][c]);
             }
         }
     }
@@ -741,7 +743,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
 
     // ---- 2. u and y (threads 128..255 hold the columns)
     if constexpr (DO_READOUT) {
-        constexpr int NQ = KIND ? 2 : 4;
+        constexpr int NQ = 2;
         float* part = sm.scratch;  // [NQ][NUM_WARPS][V]
 #pragma unroll
         for (int a = 0; a < NQ; ++a)
@@ -750,14 +752,14 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         __syncthreads();
         if (column_thread(tid)) {
             const int j = tid - MAX_K;
-            float s[4] = {0.f, 0.f, 0.f, 0.f};
+            float s[NQ] = {0.f, 0.f};
 #pragma unroll
             for (int a = 0; a < NQ; ++a)
 #pragma unroll
                 for (int w = 0; w < NUM_WARPS; ++w) s[a] += part[(a * NUM_WARPS + w) * V + j];
             const float cj = sm.col[0][j];
-            const float kds = __fmaf_rn(cj, s[0], s[2]);  // k^T (D S)_j
-            const float qds = __fmaf_rn(cj, s[1], s[3]);  // q^T (D S)_j
+            const float kds = __fmul_rn(cj, s[0]);  // k^T (D S)_j
+            const float qds = __fmul_rn(cj, s[1]);  // q^T (D S)_j
             const float u = beta * (v_j - kds);
             sm.col[1][j] = u;
             store_out(p.y, nh * V + j, __fmaf_rn(kq, u, qds), p.bf16_mask & 32);  // y = X^T q, before requantizing
