@@ -36,10 +36,12 @@ def eval_command(out: Path) -> list[str]:
             ",".join(METHODS), "--gen-prompts", "0", "--threads", "1", "--no-plots", "--out", str(out)]
 
 
-def table(eval_json: Path) -> dict:
-    """Rows of every model of an eval.json: excess, paired differences to the plain format and INT8."""
+def table(eval_json: Path, equal_bytes: str = EQUAL_BYTES) -> dict:
+    """Rows of every model of an eval.json: excess, paired differences to the plain format and to
+    ``equal_bytes`` (the method whose bytes the error-feedback rows roughly cost)."""
     record = json.loads(eval_json.read_text())
     result = {"command": record["command"], "machine": record["machine"], "date": record["date"],
+              "equal_bytes": equal_bytes, "eval_json": str(eval_json),
               "seconds": record["seconds"], "settings": record["settings"], "models": {}}
     for model, entry in record["models"].items():
         methods = entry["methods"]
@@ -58,8 +60,8 @@ def table(eval_json: Path) -> dict:
                 "first": excess["first"]["mean"], "last": excess["last"]["mean"],
                 "vs_plain": None if base is None else paired_difference(method, methods[base]),
                 "plain": base,
-                "vs_int8": (paired_difference(method, methods[EQUAL_BYTES])
-                            if name != EQUAL_BYTES and EQUAL_BYTES in methods else None),
+                "vs_equal_bytes": (paired_difference(method, methods[equal_bytes])
+                                   if name != equal_bytes and equal_bytes in methods else None),
             })
         result["models"][model] = {"decode_seconds": entry["seconds"]["decode"], "rows": rows}
     return result
@@ -86,21 +88,21 @@ def markdown(result: dict) -> str:
         "predicted token vs the FP32 state over all D, ± its standard error; paired differences over the "
         f"eval's blocks of {settings.get('block', 64)} predictions (same forward passes), mean ± standard "
         "error (and in units of it). "
-        "EF4 = error feedback with the residual kept as INT4 rowwise absmax (4.125 bits/value); EF32 = an "
-        "exact FP32 residual (more bytes than the FP32 state: an upper bound, not a compression). "
+        "EF<r> = error feedback with the residual kept as INT-r rowwise absmax (r + 0.125 bits/value); "
+        "EF32 = an exact FP32 residual (more bytes than the FP32 state: an upper bound, not a compression). "
         "Bits/value count the residual (codec storage, stepquant.accounting); `measured` is what the "
-        "cache held, counted bit-packed. The eval's own table and record: "
-        "`docs/results/error_feedback_eval.{md,json}`.",
+        f"cache held, counted bit-packed. The eval's own record: `{result['eval_json']}` (its table beside "
+        "it, .md).",
         "",
     ]
     for model, entry in result["models"].items():
         lines += [f"## {model}", "", "| method | bits/value | measured B/request | excess NLL, all D | "
-                  "first / last 256 | EF − the same format without | − INT8 |",
+                  f"first / last 256 | EF − the same format without | − {result['equal_bytes']} |",
                   "|---|---|---|---|---|---|---|"]
         for r in entry["rows"]:
             lines.append(f"| {r['label']} | {r['bits_per_value']:.4f} | {r['measured_bytes_per_request']:,} "
                          f"| {r['excess_nll']:+.4f} ± {r['stderr']:.4f} | {r['first']:+.4f} / "
-                         f"{r['last']:+.4f} | {_paired(r['vs_plain'])} | {_paired(r['vs_int8'])} |")
+                         f"{r['last']:+.4f} | {_paired(r['vs_plain'])} | {_paired(r['vs_equal_bytes'])} |")
         lines += ["", f"Decode {entry['decode_seconds']:.0f} s.", ""]
     return "\n".join(lines)
 
@@ -112,6 +114,9 @@ def main(argv=None) -> int:
                         help="where error_feedback.md/.json go (and the eval, under <out>/eval)")
     parser.add_argument("--table", type=Path, default=None,
                         help="only tabulate an earlier eval: its eval.json, or the directory holding it")
+    parser.add_argument("--equal-bytes", default=EQUAL_BYTES,
+                        help=f"the method every row is also compared with (default {EQUAL_BYTES})")
+    parser.add_argument("--stem", default="error_feedback", help="output file names (default error_feedback)")
     args = parser.parse_args(argv)
     if args.table is None:
         command = eval_command(args.out / "eval")
@@ -122,11 +127,11 @@ def main(argv=None) -> int:
         eval_json = args.table / "eval.json" if args.table.is_dir() else args.table
     if not eval_json.is_file():
         parser.error(f"no eval.json at {eval_json} (run without --table first)")
-    result = table(eval_json)
+    result = table(eval_json, args.equal_bytes)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "error_feedback.json").write_text(json.dumps(result, indent=1) + "\n")
+    (args.out / f"{args.stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     text = markdown(result)
-    (args.out / "error_feedback.md").write_text(text)
+    (args.out / f"{args.stem}.md").write_text(text)
     print(text)
     return 0
 
