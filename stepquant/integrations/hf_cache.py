@@ -7,7 +7,10 @@ layer through two cache calls, so the least machinery is a :class:`~transformers
 linear-attention layers hold the encoded object instead of a tensor:
 
 - ``get_recurrent_state`` decodes the stored state (FP32 [N, H, K, V]) for the one step that needs it;
-- ``update_recurrent_state`` encodes the state the layer hands back and drops the float one.
+- ``update_recurrent_state`` encodes the state the layer hands back and drops the float one (the first
+  store of a state is ``Codec.encode``, every later one ``Codec.requantize(states, previous)``, so an
+  error-feedback format, stepquant.codecs.error_feedback, adds the residual it stored with the previous
+  token; its residual is packed and counted like the state).
 
 In transformers' single-token decode path (``torch_recurrent_gated_delta_rule`` for Qwen3-Next / Qwen3.5
 and ``recurrent_kimi_delta_attention`` for Kimi-Linear) the layer computes X_t = A_t S_hat_{t-1} + B_t
