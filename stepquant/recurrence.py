@@ -214,7 +214,8 @@ def quantized_gated_delta_rule(
       feedback="native": X_t = A_t Ŝ_{t-1} + B_t                               (what a server computes)
       feedback="oracle": X_t = D_t Ŝ_{t-1} + beta_t k_t (v_t - k_t^T D_t S_{t-1})^T  (paper App. B: the delta
                          residual reads the exact reference S_{t-1}, so E_t = D_t E_{t-1} + eps_t)
-      y_t = X_t^T q_t (read BEFORE requantizing);  Ŝ_t = codec.roundtrip(X_t) is stored.
+      y_t = X_t^T q_t (read BEFORE requantizing);  Ŝ_t = codec.roundtrip(X_t) is stored (a codec that
+      carries a residual, stepquant.codecs.ErrorFeedbackCodec, is requantized: Ŝ_t = Q(X_t + e_{t-1})).
 
     codec: any object with roundtrip(states [N, H, K, V]) -> [N, H, K, V] (stepquant.codecs.base.Codec);
     it always sees the "kv" layout. quantize_initial_state: a given initial_state is stored through the
@@ -238,14 +239,18 @@ def quantized_gated_delta_rule(
     )
     needs_reference = feedback == "oracle" or track_reference
     h_ref = h  # exact S_t, advanced only when needed
-    h_hat = _roundtrip(codec, h) if initial_state is not None and quantize_initial_state else h
+    stored = None  # what an error-feedback codec stored for the previous token
+    if initial_state is not None and quantize_initial_state:
+        h_hat, stored = _roundtrip(codec, h, stored)
+    else:
+        h_hat = h
     o = torch.empty_like(b_v)  # [B, T, H, V]
     for t in range(b_v.shape[1]):
         inputs = (b_q[:, t], b_k[:, t], b_v[:, t], b_g[:, t], b_beta[:, t])
         x, o[:, t] = _step(h_hat, *inputs, residual_state=h_ref if feedback == "oracle" else None)
         if needs_reference:
             h_ref, _ = _step(h_ref, *inputs)
-        h_hat = _roundtrip(codec, x)
+        h_hat, stored = _roundtrip(codec, x, stored)
         if on_step is not None:
             if track_reference:
                 on_step(t, x, h_hat, h_ref)
@@ -254,14 +259,19 @@ def quantized_gated_delta_rule(
     return o.to(q.dtype), (from_kv_layout(h_hat, layout) if output_final_state else None)
 
 
-def _roundtrip(codec, x: torch.Tensor) -> torch.Tensor:
-    s_hat = codec.roundtrip(x)
+def _roundtrip(codec, x: torch.Tensor, stored=None) -> tuple[torch.Tensor, object]:
+    """(Ŝ = the stored state's reconstruction, the stored object when the codec carries a residual)."""
+    if getattr(codec, "carries_residual", False):
+        stored = codec.requantize(x, stored)
+        s_hat = codec.decode(stored)
+    else:
+        s_hat, stored = codec.roundtrip(x), None
     if not isinstance(s_hat, torch.Tensor) or s_hat.shape != x.shape:
         got = list(s_hat.shape) if isinstance(s_hat, torch.Tensor) else type(s_hat).__name__
         raise ValueError(
             f"codec.roundtrip must return a tensor of its input's shape {list(x.shape)}, got {got}"
         )
-    return s_hat.to(x.dtype)
+    return s_hat.to(x.dtype), stored
 
 
 def _prepare_sequence(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, layout, mode):

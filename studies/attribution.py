@@ -8,11 +8,18 @@ loop) on diagnostic variants built from a model's calibrated plans at one budget
   quantizer), temporal's bit plan under the dual-axis quantizer, and STEPQuant's dual-axis quantizer with
   one knob changed at a time (midtread grid, w = 1, the plain w^2 refit, no refit, no clipping, absmax row
   statistic);
-- with ``--heads-of-layer L``: STEPQuant@b and temporal only@b on each head of layer L on its own.
+- with ``--heads-of-layer L``: STEPQuant@b and temporal only@b on each head of layer L on its own;
+- with ``--pivots``: what FP16 pivots can protect. Uniform INT-b (rowwise absmax) everywhere, with the
+  P units of highest calibrated risk lambda_u d_u(b) (P = the plan's pivot count, the paper's share),
+  the top 4P and the top 16P stored as FP16 instead, the 16P lowest-risk units as a control, and 16P
+  units chosen by lambda d omega (risk weighted by the readout impact) and by d alone; the record also
+  gets each plan's risk table (:func:`pivot_risk`): the pivots' share of the total risk and what they
+  would add to the plan's objective at 8 bits.
 
     python -m studies.attribution --model kda --bits 4 --quick --out docs/results
+    python -m studies.attribution --model gdn --bits 4 --quick --pivots --out docs/results
 
-Writes attribution_<model>_<bits>.json and .md into --out, prints the table and one JSON line last.
+Writes attribution_<model>_<bits>[_pivots].json and .md into --out, prints the table and one JSON line last.
 """
 
 from __future__ import annotations
@@ -29,9 +36,11 @@ from pathlib import Path
 import torch
 
 from stepquant.codecs import Grid, MixedCodec, make_codec
+from stepquant.codecs.base import MIN_BITS, PIVOT_BITS
 from stepquant.data import segments as cut_segments
 from stepquant.eval.methods import DEFAULT_PLANS_DIR, load_plan, plan_path
 from stepquant.eval.probe import drift_probe
+from stepquant.eval.report import paired_difference
 from stepquant.eval.run import machine
 from stepquant.eval.settings import DEFAULT_WINDOW, FULL, QUICK, SHIPPED_STREAMS
 from stepquant.families import linear_layers as linear_layers_of
@@ -104,16 +113,104 @@ def head_variants(plans: dict, linear_layers: list[int], bits: int,
     return variants
 
 
+def _unit_risk(plan, bits: int) -> torch.Tensor:
+    """lambda_u d_u(bits) of every unit [U] (flat, layer-major) from a plan's calibration tables."""
+    return (plan.lifetime.double() * plan.distortion.double()[..., bits - MIN_BITS]).flatten()
+
+
+def _unit_bits(plan) -> torch.Tensor:
+    """The plan's width of every unit [U] (a GDN head's rows share one width), flat, layer-major."""
+    bits = torch.stack(list(plan.bits)).to(torch.int64)  # [L, H, K]
+    return (bits[..., 0] if plan.lifetime.dim() == 2 else bits).flatten()
+
+
+def pivot_risk(plan) -> dict:
+    """The risk lambda_u d_u(b̄) of a plan's FP16 pivots against the other units (calibration tables).
+
+    risk_share: the pivots' part of sum_u lambda_u d_u(b̄); top_share: the same for the top P, 4P, 16P
+    units by risk; objective: sum over integer units of lambda_u d_u(b_u) (the plan's allocation);
+    pivots_at_8: what the pivots would add to it stored at 8 bits instead of FP16."""
+    b = plan.budget_bits
+    risk, widths = _unit_risk(plan, b), _unit_bits(plan)
+    distortion = plan.distortion.double().reshape(len(risk), -1)
+    lifetime = plan.lifetime.double().flatten()
+    pivots = widths == PIVOT_BITS
+    integer = torch.nonzero(~pivots).flatten()
+    objective = float((lifetime[integer] * distortion[integer, widths[integer] - MIN_BITS]).sum())
+    at_8 = float((lifetime[pivots] * distortion[pivots, 8 - MIN_BITS]).sum())
+    order = torch.argsort(-risk, stable=True)
+    count = int(pivots.sum())
+    total = float(risk.sum())
+    half_lives = plan.half_lives.double().flatten()
+    return {
+        "plan": f"{plan.variant}-{b}", "units": len(risk), "pivots": count,
+        "pivot_risk": float(risk[pivots].sum()), "total_risk": total,
+        "median_unit_risk": float(risk.median()),
+        "risk_share": float(risk[pivots].sum()) / total,
+        "top_share": {f"{k}P": float(risk[order[:k * count]].sum()) / total for k in (1, 4, 16)},
+        "objective": objective, "pivots_at_8": at_8,
+        "pivot_half_lives": [round(float(h), 1) for h in half_lives[pivots]],
+        "median_half_life": float(half_lives.median()),
+    }
+
+
+def pivot_variants(plans: dict, linear_layers: list[int], bits: int) -> list[tuple[str, str, dict]]:
+    """INT-b everywhere with FP16 pivots on the top P / 4P / 16P units by risk lambda_u d_u(b) and on the
+    16P lowest-risk units (P = the temporal plan's pivot count; d under rowwise absmax, the format here)."""
+    plan = plans["temporal"]
+    risk = _unit_risk(plan, bits)
+    count = int(plan.pivots)
+    if count < 1:
+        raise ValueError(f"the {plan.variant}-{bits} plan has no pivots to compare")
+    order = torch.argsort(-risk, stable=True)
+    shape = torch.stack(list(plan.bits)).shape  # [L, H, K]
+    per_head = plan.lifetime.dim() == 2  # GDN: a unit is a head
+
+    def with_pivots(units: torch.Tensor) -> dict:
+        table = torch.full(shape, bits, dtype=torch.int8)
+        mask = torch.zeros(len(risk), dtype=torch.bool)
+        mask[units] = True
+        mask = mask.reshape(shape[:2] if per_head else shape)
+        table[mask[..., None].expand(shape) if per_head else mask] = PIVOT_BITS
+        return {layer: MixedCodec(bits=table[i], w=plan.w[i], spatial="absmax")
+                for i, layer in enumerate(linear_layers)}
+
+    unit = "heads" if per_head else "rows"
+    variants = [(f"int{bits}", f"INT{bits} rowwise absmax, every unit",
+                 dict.fromkeys(linear_layers, make_codec(f"int{bits}")))]
+    for k in (1, 4, 16):
+        top = order[:k * count]
+        share = float(risk[top].sum() / risk.sum())
+        variants.append((f"int{bits}+top{k}P", f"INT{bits}, the {k * count} highest-risk {unit} FP16 "
+                         f"({share:.0%} of the risk)", with_pivots(top)))
+    low = order[-16 * count:]
+    variants.append((f"int{bits}+low16P", f"INT{bits}, the {16 * count} lowest-risk {unit} FP16 "
+                     f"({float(risk[low].sum() / risk.sum()):.1%} of the risk)", with_pivots(low)))
+    # other selections of 16P units: impact-weighted risk (lambda d omega, omega the readout weight
+    # E[(A^T q)_i^2] of docs/method.md, a head's mean for GDN), and distortion alone (no lifetime)
+    omega = plan.omega.double()
+    omega = (omega.mean(-1) if per_head else omega).flatten()
+    distortion = plan.distortion.double()[..., bits - MIN_BITS].flatten()
+    for tag, score, what in (("impact16P", risk * omega, "lambda d omega"), ("d16P", distortion, "d alone")):
+        chosen = torch.argsort(-score, stable=True)[:16 * count]
+        share = float(risk[chosen].sum() / risk.sum())
+        variants.append((f"int{bits}+{tag}", f"INT{bits}, the {16 * count} {unit} of highest {what} FP16 "
+                         f"({share:.0%} of the risk)", with_pivots(chosen)))
+    return variants
+
+
 def run_attribution(model_name: str, bits: int, *, prefill: int, decode: int, window: int, segments: int,
                     data: list[str], plans_dir: Path, threads: int,
-                    heads_of_layer: int | None = None) -> dict:
+                    heads_of_layer: int | None = None, pivots: bool = False) -> dict:
     torch.set_num_threads(threads)
     model, tokenizer = load(model_name)
     linear_layers = list(linear_layers_of(model.config))
     plans = {v: load_plan(plan_path(f"{v}-{bits}", Path(model_name).name, plans_dir), model.config)
              for v in ("stepquant", "temporal")}
     variants = [("fp32", "FP32 reference", dict.fromkeys(linear_layers, make_codec("fp32")))]
-    if heads_of_layer is None:
+    if pivots:
+        variants += pivot_variants(plans, linear_layers, bits)
+    elif heads_of_layer is None:
         variants += diagnostic_variants(plans, linear_layers, bits)
     else:
         variants += head_variants(plans, linear_layers, bits, heads_of_layer)
@@ -132,8 +229,11 @@ def run_attribution(model_name: str, bits: int, *, prefill: int, decode: int, wi
             # variants (same forward passes) have a smaller standard error than the two ± combined
             "block_means": [round(float(v), 6) for v in probe.excess.block_means[m]],
         }
-    return {"model": model_name, "bits": bits, "variants": rows, "seconds": probe.seconds,
-            "window": probe.excess.window, "block": probe.excess.block}
+    result = {"model": model_name, "bits": bits, "variants": rows, "seconds": probe.seconds,
+              "window": probe.excess.window, "block": probe.excess.block}
+    if pivots:
+        result["pivot_risk"] = [pivot_risk(plans[v]) for v in ("stepquant", "temporal")]
+    return result
 
 
 def markdown(result: dict, command: str, settings: dict) -> str:
@@ -153,9 +253,33 @@ def markdown(result: dict, command: str, settings: dict) -> str:
         f"| variant | what it is | first {w} | last {w} | all D |",
         "|---|---|---|---|---|",
     ]
+    base = result["variants"].get(f"int{result['bits']}") if "pivot_risk" in result else None
+    if base is not None:
+        lines[-2] += f" difference to INT{result['bits']} (paired) |"
+        lines[-1] += "---|"
     for name, row in result["variants"].items():
-        lines.append(f"| {name} | {row['description']} | {row['first']:+.4f} | {row['last']:+.4f} | "
-                     f"{row['all']:+.4f} ± {row['stderr']:.4f} |")
+        line = (f"| {name} | {row['description']} | {row['first']:+.4f} | {row['last']:+.4f} | "
+                f"{row['all']:+.4f} ± {row['stderr']:.4f} |")
+        if base is not None:
+            paired = paired_difference({"excess_nll": row}, {"excess_nll": base}) if row is not base else None
+            line += " - |" if paired is None else f" {paired['diff']:+.4f} ± {paired['se']:.4f} |"
+        lines.append(line)
+    if "pivot_risk" in result:
+        lines += ["", "Calibrated risk lambda_u d_u(b̄) of each plan's FP16 pivots against the other units "
+                  "(the plans' own lifetime and distortion tables, H = 2,048): their share of the total "
+                  "risk, the share of the top P / 4P / 16P units, and what the pivots would add to the "
+                  "plan's objective sum lambda_u d_u(b_u) (integer units) if stored at 8 bits.", "",
+                  "| plan | units | pivots | pivot half-lives (median unit) | pivot risk share | "
+                  "top P / 4P / 16P share | objective | pivots at 8 bits |",
+                  "|---|---|---|---|---|---|---|---|"]
+        for r in result["pivot_risk"]:
+            lives = ", ".join(f"{h:,.0f}" for h in r["pivot_half_lives"][:6])
+            lives += ", ..." if len(r["pivot_half_lives"]) > 6 else ""
+            top = " / ".join(f"{v:.0%}" for v in r["top_share"].values())
+            lines.append(f"| {r['plan']} | {r['units']:,} | {r['pivots']} | {lives} "
+                         f"({r['median_half_life']:.0f}) | {r['risk_share']:.0%} | {top} | "
+                         f"{r['objective']:.4g} | +{r['pivots_at_8']:.4g} "
+                         f"(+{r['pivots_at_8'] / r['objective']:.0%}) |")
     return "\n".join(lines) + "\n"
 
 
@@ -175,8 +299,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--heads-of-layer", type=int, default=None, metavar="LAYER",
                         help="instead of the standard variants: each head of this layer on its own")
+    parser.add_argument("--pivots", action="store_true",
+                        help="instead of the standard variants: INT-b with FP16 pivots on the top P / 4P / "
+                             "16P units by calibrated risk and on the 16P lowest-risk units, plus the risk "
+                             "tables")
     parser.add_argument("--out", default="eval_results")
     args = parser.parse_args(argv)
+    if args.pivots and args.heads_of_layer is not None:
+        parser.error("give --pivots or --heads-of-layer, not both")
     defaults = QUICK if args.quick else FULL
     prefill = args.prefill or defaults["prefill"]
     decode = args.decode or defaults["decode"]
@@ -184,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result = run_attribution(args.model, args.bits, prefill=prefill, decode=decode, window=args.window,
                              segments=args.segments, data=data, plans_dir=Path(args.plans_dir),
-                             threads=args.threads, heads_of_layer=args.heads_of_layer)
+                             threads=args.threads, heads_of_layer=args.heads_of_layer, pivots=args.pivots)
     settings = {"prefill": prefill, "decode": decode, "data": data, "machine": machine(),
                 "date": datetime.date.today().isoformat(), "seconds": time.perf_counter() - started}
     command = "python -m studies.attribution " + " ".join(
@@ -194,6 +324,8 @@ def main(argv: list[str] | None = None) -> int:
     stem = f"attribution_{Path(args.model).name}_{args.bits}"
     if args.heads_of_layer is not None:
         stem += f"_layer{args.heads_of_layer}_heads"
+    if args.pivots:
+        stem += "_pivots"
     record = {**result, "settings": settings, "command": command}
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
     text = markdown(result, command, settings)

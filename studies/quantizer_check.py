@@ -21,14 +21,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
-import statistics
 import subprocess
 import sys
 from pathlib import Path
 
 from stepquant import assets
 from stepquant.calibrate.plan import Plan
+from stepquant.eval.report import paired_difference
 
 BASE_PLANS = ("stepquant-6", "stepquant-4", "spatial-6", "spatial-4")
 VERSIONS = {"r0": dict(division="reciprocal", refit_iters=0),
@@ -58,12 +57,6 @@ def run_eval(model: str, out: Path, plans=BASE_PLANS, versions=("r1", "r2")) -> 
     subprocess.run(command, check=True)
 
 
-def _blocks(record: dict) -> list[float]:
-    def flat(x):
-        return [x] if isinstance(x, (int, float)) else [y for z in x for y in flat(z)]
-    return flat(record["excess_nll"]["block_means"])
-
-
 def table(out: Path) -> dict:
     """Paired differences of every version to its original plan, for each model evaluated under out/."""
     result = {}
@@ -74,19 +67,16 @@ def table(out: Path) -> dict:
         for name in BASE_PLANS:
             if name not in methods:
                 continue
-            base = _blocks(methods[name])
             for version in ("", *VERSIONS):
                 key = f"{name}-{version}" if version else name
                 if key not in methods:
                     continue
                 record = methods[key]
-                diffs = [a - b for a, b in zip(_blocks(record), base, strict=True)]
+                paired = paired_difference(record, methods[name])
                 rows.append(dict(plan=name, version=version or "exact/2 (shipped)",
                                  excess_nll=record["excess_nll"]["all"]["mean"],
                                  stderr=record["excess_nll"]["stderr"],
-                                 paired_diff=statistics.mean(diffs),
-                                 paired_se=statistics.stdev(diffs) / math.sqrt(len(diffs)),
-                                 blocks=len(diffs)))
+                                 paired_diff=paired["diff"], paired_se=paired["se"], blocks=paired["blocks"]))
         result[model] = rows
     return result
 

@@ -408,6 +408,18 @@ def test_cli_measured_bytes(capsys):
     assert "20,578,304" in out and "4.6209 bits/value, 6.9251x vs FP32" in out
 
 
+def test_cli_error_feedback_codecs_count_the_residual(capsys):
+    rc, out, _ = run_cli(capsys, "--preset", "qwen3.8-27b", "--codec", "int8-ef4,int6-ef4",
+                         "--codec", "int4-ef32")
+    assert rc == 0
+    formats = {f["format"]: f for f in json.loads(out.strip().splitlines()[-1])["formats"]}
+    assert formats["int8-ef4"]["bits_per_value"] == 8.125 + 4.125  # INT8 + INT4 residual, FP16 row scales
+    assert formats["int6-ef4"]["serving_bytes"] == 37_748_736 * 10.25 / 8
+    assert formats["int4-ef32"]["ratio_vs_fp32"] < 1  # an FP32 residual is no compression
+    rc, _, err = run_cli(capsys, "--preset", "qwen3.8-27b", "--codec", "int8-ef12")
+    assert rc == 2 and "2..8 bits" in err
+
+
 def test_cli_totals_with_context(capsys):
     rc, out, _ = run_cli(capsys, "--preset", "qwen3.8-27b", "--bits", "6", "--batch", "512",
                          "--context", "1152")

@@ -2,6 +2,7 @@
 
     stepquant memory --preset qwen3.8-27b --bits 6
     stepquant memory --config stepquant/assets/models/gdn --plan stepquant/assets/plans/gdn/stepquant-6
+    stepquant memory --preset qwen3.8-27b --codec int8-ef4 --codec int6-ef4     # error feedback's bytes
 
 Prints the tables of :func:`stepquant.accounting.report.format_report`, then one JSON line.
 """
@@ -13,10 +14,11 @@ import json
 from pathlib import Path
 
 from stepquant.calibrate.plan import Plan
+from stepquant.codecs import make_codec
 from stepquant.families import shape_from_config
 
 from .capacity import GIB
-from .formulas import plan_bytes
+from .formulas import codec_bytes, plan_bytes
 from .presets import PRESETS, get_preset
 from .report import format_report, memory_report
 
@@ -31,9 +33,11 @@ def _run_memory(args: argparse.Namespace) -> int:
         # not fit; counted in the plan's own stored format: its LayerFormats
         plan = plan_bytes(plan.layer_formats(), shape,
                           label=f"plan {Path(args.plan).name} ({plan.variant}@{plan.budget_bits})")
+    names = [name for item in args.codec or () for name in item.split(",") if name.strip()]
+    extra = tuple(codec_bytes(make_codec(name), shape) for name in names)
     report = memory_report(shape, args.bits, args.pivots, args.batch, args.slots_per_request,
                            args.context, args.measured_bytes, plan,
-                           None if args.budget_gib is None else int(args.budget_gib * GIB))
+                           None if args.budget_gib is None else int(args.budget_gib * GIB), extra)
     if not args.json:
         print(format_report(report))
     print(json.dumps(report, separators=(",", ":")))
@@ -73,5 +77,8 @@ def add_cli(subparsers) -> None:
                         help="a GPU memory budget in GiB (e.g. 139.7 for an H200): adds the largest batch "
                              "that fits it with each state format (weights + slots + --context tokens of KV "
                              "per request)")
+    parser.add_argument("--codec", action="append", default=None, metavar="NAME[,NAME]",
+                        help="add registry formats to the bytes table (e.g. int8-ef4: INT8 with error "
+                             "feedback and an INT4 residual; int6-sr, dsq4); repeatable")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     parser.set_defaults(func=_run_memory)

@@ -21,11 +21,12 @@ from .formulas import (
 def memory_report(shape: ModelShape, bits: int, pivots: int | None = None, batch: int = 64,
                   slots_per_request: int = 5, context_tokens: int = 0,
                   measured: int | None = None, plan: StateBytes | None = None,
-                  budget_bytes: int | None = None) -> dict:
+                  budget_bytes: int | None = None, extra: tuple[StateBytes, ...] = ()) -> dict:
     """Every number ``stepquant memory`` prints, as a JSON-ready dict.
 
     budget_bytes: a GPU memory budget; each capacity row then gets ``max_batch``, the largest B whose total
-    (weights + state slots + KV) fits it, per weight format (:func:`stepquant.accounting.max_batch`)."""
+    (weights + state slots + KV) fits it, per weight format (:func:`stepquant.accounting.max_batch`).
+    extra: more formats for the bytes table (e.g. ``codec_bytes`` of an error-feedback codec)."""
     _check_shape(shape)
     check_bits(bits)
     pivots_source = "given"
@@ -38,6 +39,7 @@ def memory_report(shape: ModelShape, bits: int, pivots: int | None = None, batch
                dsq_bytes(shape, bits), stepquant_bytes(shape, bits, pivots)]
     if plan is not None:
         formats.append(plan)
+    formats.extend(extra)
     if measured is not None:
         formats.append(measured_bytes(shape, measured, f"measured ({measured:,} B)"))
     step = formats[4]

@@ -7,6 +7,9 @@ Names:
   "dsq2" .. "dsq8"            Q-Mamba's decoupled dual-axis scales, uniform bits (dsq.py)
   "dual2" .. "dual8"          STEPQuant's key-row-aware dual-axis fitting, uniform bits: "spatial only"
   "mixed"                     plan-driven per-row bits with FP16 pivots (mixed.py; needs bits=, w=)
+  "<name>-ef<r>"              any of the above but "mixed" with error feedback: the rounding residual kept in
+                              r bits (2..8 INT rowwise, 16 FP16, 32 FP32) and added before the next
+                              requantization (error_feedback.py), e.g. "int6-ef4", "int8-ef4"
 
 A calibrated plan's layer is a :class:`LayerFormat` (layer_format.py: its codec, packed layout and bytes).
 
@@ -46,6 +49,7 @@ from .dual_axis import (
     row_gains,
     weighted_error,
 )
+from .error_feedback import RESIDUAL_BITS, ErrorFeedbackCodec, ErrorFeedbackState, residual_codec, split_name
 from .layer_format import LayerFormat
 from .mixed import MixedCodec, fit_rowwise_absmax
 from .uniform import UniformCodec, rowwise_absmax_scale
@@ -61,6 +65,8 @@ __all__ = [
     "DSQCodec",
     "DualAxisCodec",
     "DualAxisConfig",
+    "ErrorFeedbackCodec",
+    "ErrorFeedbackState",
     "Grid",
     "LayerFormat",
     "MixedCodec",
@@ -74,12 +80,15 @@ __all__ = [
     "fit_dual_axis",
     "fit_rowwise_absmax",
     "fp16_scale",
+    "is_codec_name",
     "make_codec",
     "refit_weights",
+    "residual_codec",
     "round_to_codes",
     "row_factor",
     "row_gains",
     "rowwise_absmax_scale",
+    "split_name",
     "weighted_error",
 ]
 
@@ -88,7 +97,7 @@ _PATTERN = re.compile(r"^(int|dsq|dual)([0-9])(-sr)?$")
 
 
 def codec_names() -> list[str]:
-    """Every name make_codec accepts."""
+    """Every base name make_codec accepts (each but "mixed" also takes the error-feedback suffix -ef<r>)."""
     bit_range = range(MIN_BITS, MAX_BITS + 1)
     return (
         ["fp32", "bf16", "fp16"]
@@ -98,6 +107,13 @@ def codec_names() -> list[str]:
         + [f"dual{b}" for b in bit_range]
         + ["mixed"]
     )
+
+
+def is_codec_name(name: str) -> bool:
+    """Whether make_codec builds ``name`` without extra arguments: a base name but "mixed", optionally with
+    the error-feedback suffix "-ef<r>" (r in error_feedback.RESIDUAL_BITS)."""
+    base, residual = split_name(name.strip().lower())
+    return base in codec_names() and base != "mixed" and (residual is None or residual in RESIDUAL_BITS)
 
 
 def _split_config(kwargs: dict) -> dict:
@@ -115,6 +131,13 @@ def make_codec(name: str, **kwargs) -> Codec:
     if not isinstance(name, str):
         raise TypeError(f"codec name must be a str, got {type(name).__name__}")
     key = name.strip().lower()
+    base, residual_bits = split_name(key)
+    if residual_bits is not None and base != "mixed" and is_codec_name(base):
+        return ErrorFeedbackCodec(make_codec(base, **kwargs), residual_bits=residual_bits)
+    if residual_bits is not None and base in codec_names():
+        raise ValueError(f"codec name {name!r}: 'mixed' needs a plan's bits and w; give a plan layer error "
+                         "feedback as ErrorFeedbackCodec(plan.codec(i), residual_bits=r), or in stepquant "
+                         "eval as <variant>-<bits>-ef<r> (e.g. stepquant-6-ef4)")
     if key in ("fp32", "bf16", "fp16"):
         return CastCodec(dtype=key, **kwargs)
     if key == "mixed":
@@ -128,4 +151,5 @@ def make_codec(name: str, **kwargs) -> Codec:
             return DSQCodec(bits=bits, **kwargs)
         if not stochastic and family == "dual":
             return DualAxisCodec(bits=bits, **_split_config(kwargs))
-    raise ValueError(f"unknown codec name {name!r}; valid names: {', '.join(codec_names())}")
+    raise ValueError(f"unknown codec name {name!r}; valid names: {', '.join(codec_names())} (each but mixed "
+                     "also as <name>-ef<r>: error feedback with an r-bit residual)")

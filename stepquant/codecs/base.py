@@ -205,6 +205,17 @@ class Codec(ABC):
         (the paper's count). The two differ only for formats with FP16 pivot heads.
         """
 
+    # True for formats whose next encoding depends on what was stored before (error_feedback.py)
+    carries_residual = False
+
+    def requantize(self, states: torch.Tensor, previous: object | None) -> object:
+        """Encode the next decode step's state, given the object stored for the previous step.
+
+        Every stateless format ignores ``previous`` (this default); an error-feedback format adds the
+        residual it stored there. Caches and the quantized loop call this for every decode token.
+        """
+        return self.encode(states)
+
     def roundtrip(self, states: torch.Tensor) -> torch.Tensor:
         """decode(encode(states)): the dequantized approximation used by the quantized recurrence."""
         return self.decode(self.encode(states))

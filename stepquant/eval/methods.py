@@ -6,7 +6,9 @@ calibrated plan "<variant>-<bits>" with variant in stepquant, temporal, temporal
 committed under ``<plans-dir>/<model>/<variant>-<bits>/`` (stepquant.calibrate's ``Plan.load``), whose
 ``plan.codec(i)`` is the codec of linear layer i. ``--plan PATH`` adds any plan directory as a method.
 "<method>@<layer>" (e.g. "int4@4", "stepquant-4@0") applies the method to that one model layer and keeps
-FP32 everywhere else: per-layer error attribution.
+FP32 everywhere else: per-layer error attribution. A "-ef<r>" suffix on a codec or a plan name
+("int6-ef4", "stepquant-6-ef4") adds error feedback with an r-bit residual (stepquant.codecs.error_feedback;
+the residual's bytes are in the method's bits/value).
 
 :data:`DEFAULT_METHODS` is the paper's comparison (docs/method.md section 3): the float casts, uniform rowwise
 absmax INT8/6/4 with and without stochastic rounding, DSQ, and the four STEPQuant variants at 6 and 4 bits.
@@ -27,12 +29,12 @@ from pathlib import Path
 from stepquant import assets
 from stepquant.accounting import StateBytes
 from stepquant.calibrate import Plan
-from stepquant.codecs import Codec, codec_names, make_codec
+from stepquant.codecs import Codec, ErrorFeedbackCodec, codec_names, is_codec_name, make_codec, split_name
 from stepquant.families import ModelShape
 
 REFERENCE = "fp32"
 PLAN_VARIANTS = ("stepquant", "temporal", "temporal-nopivot", "spatial")
-PLAN_NAME = re.compile(r"^(stepquant|temporal-nopivot|temporal|spatial)-([2-8])$")
+PLAN_NAME = re.compile(r"^(stepquant|temporal-nopivot|temporal|spatial)-([2-8])(-ef[0-9]+)?$")
 DEFAULT_PLANS_DIR = assets.PLANS  # the shipped plans, stepquant/assets/plans/<model>/<variant>-<bits>/
 
 DEFAULT_METHODS = (
@@ -72,7 +74,9 @@ class Method:
 
 
 def codec_label(name: str) -> str:
-    key = name.lower()
+    key, residual_bits = split_name(name.lower())
+    if residual_bits is not None:
+        return f"{codec_label(key)} EF{residual_bits}"
     if key in LABELS:
         return LABELS[key]
     match = re.match(r"^(int|dsq|dual)([2-8])(-sr)?$", key)
@@ -93,6 +97,11 @@ def plan_path(key: str, model_name: str, plans_dir: str | Path | None = None) ->
 
 def is_plan_method(name: str) -> bool:
     return PLAN_NAME.match(name.strip().lower().partition("@")[0]) is not None
+
+
+def plan_key(name: str) -> str:
+    """The plan directory a plan method reads: "stepquant-6-ef4@2" -> "stepquant-6"."""
+    return split_name(name.strip().lower().partition("@")[0])[0]
 
 
 def load_plan(path: str | Path, model_config=None):
@@ -128,12 +137,18 @@ def resolve_method(name: str, model_name: str, linear_layers: list[int], *,
         return _one_layer_method(key, model_name, linear_layers, plans_dir, model_config)
     match = PLAN_NAME.match(key)
     if match:
-        plan = load_plan(plan_path(key, model_name, plans_dir), model_config)
-        return plan_method(plan, key, linear_layers)
-    if key == "mixed" or key not in codec_names():
+        plan = load_plan(plan_path(plan_key(key), model_name, plans_dir), model_config)
+        method = plan_method(plan, key, linear_layers)
+        residual_bits = split_name(key)[1]
+        if residual_bits is None:
+            return method
+        codecs = {layer: ErrorFeedbackCodec(codec, residual_bits) for layer, codec in method.codecs.items()}
+        return Method(key, f"{method.label} EF{residual_bits}", codecs, plan)
+    if not is_codec_name(key):
         variants = ", ".join(f"{v}-<bits>" for v in PLAN_VARIANTS)
         raise ValueError(f"unknown method {name!r}: use a codec name ({', '.join(codec_names()[:-1])}) or a "
-                         f"calibrated plan ({variants}; found under --plans-dir/<model>/)")
+                         f"calibrated plan ({variants}; found under --plans-dir/<model>/), either with "
+                         "-ef<r> for error feedback (r = 2..8, 16, 32)")
     codec: Codec = make_codec(key)
     return Method(key, codec_label(key), dict.fromkeys(linear_layers, codec))
 
@@ -147,7 +162,7 @@ def resolve_methods(names, model_name: str, linear_layers: list[int], *, plans_d
     names = [n.strip().lower() for n in names if n.strip()]
     if skip_missing_plans:
         names = [n for n in names if not is_plan_method(n)
-                 or plan_path(n.partition("@")[0], model_name, plans_dir).exists()]
+                 or plan_path(plan_key(n), model_name, plans_dir).exists()]
     if REFERENCE in names:
         names.remove(REFERENCE)
     if len(set(names)) != len(names):

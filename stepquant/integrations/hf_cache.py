@@ -7,7 +7,10 @@ layer through two cache calls, so the least machinery is a :class:`~transformers
 linear-attention layers hold the encoded object instead of a tensor:
 
 - ``get_recurrent_state`` decodes the stored state (FP32 [N, H, K, V]) for the one step that needs it;
-- ``update_recurrent_state`` encodes the state the layer hands back and drops the float one.
+- ``update_recurrent_state`` encodes the state the layer hands back and drops the float one (the first
+  store of a state is ``Codec.encode``, every later one ``Codec.requantize(states, previous)``, so an
+  error-feedback format, stepquant.codecs.error_feedback, adds the residual it stored with the previous
+  token; its residual is packed and counted like the state).
 
 In transformers' single-token decode path (``torch_recurrent_gated_delta_rule`` for Qwen3-Next / Qwen3.5
 and ``recurrent_kimi_delta_attention`` for Kimi-Linear) the layer computes X_t = A_t S_hat_{t-1} + B_t
@@ -51,7 +54,7 @@ except ImportError as err:  # transformers missing, or a version without linear-
         f"{err}"
     ) from err
 
-from stepquant.codecs import Codec, QState, make_codec
+from stepquant.codecs import Codec, ErrorFeedbackState, QState, make_codec
 from stepquant.codecs.packing import PackedLayout, PackedState, pack, unpack
 from stepquant.families import SUPPORTED_MODEL_TYPES, linear_layers  # qwen3_next, qwen3_5(_moe), kimi_linear
 from stepquant.recurrence import prepare_qk, step
@@ -147,6 +150,8 @@ def resolve_layer_codecs(spec, linear_layers: Sequence[int], config=None) -> dic
 
 def _per_row_tensors(encoded) -> list[torch.Tensor]:
     """The tensors of an encoded object that hold per-request data (leading dim N)."""
+    if isinstance(encoded, ErrorFeedbackState):  # the state and its carried residual
+        return _per_row_tensors(encoded.state) + _per_row_tensors(encoded.residual)
     if isinstance(encoded, torch.Tensor):
         return [encoded]
     if isinstance(encoded, QState):
@@ -161,6 +166,8 @@ def _map_rows(encoded, fn):
     """Apply fn to every per-request tensor of an encoded object (select rows, move device)."""
     if isinstance(encoded, torch.Tensor):
         return fn(encoded)
+    if isinstance(encoded, ErrorFeedbackState):
+        return ErrorFeedbackState(_map_rows(encoded.state, fn), _map_rows(encoded.residual, fn))
     opt = lambda t: None if t is None else fn(t)
     if isinstance(encoded, QState):
         return dataclasses.replace(
@@ -212,26 +219,51 @@ class CompressedLinearAttentionLayer(LinearAttentionLayer):
                              f"but the batch has {num_rows}")
         return self.group_sizes
 
-    def _encode(self, group: int, states: torch.Tensor):
-        encoded = self.codecs[group].encode(states)
-        if self.packed and isinstance(encoded, QState):
-            layout = self._layouts.get(group)
-            if layout is None:
-                layout = PackedLayout(encoded.bits.cpu(), encoded.codes.shape[-1],
-                                      has_col_scale=encoded.col_scale is not None)
-                self._layouts[group] = layout
-            encoded = pack(encoded, layout)
+    def _layout(self, key, q: QState) -> PackedLayout:
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = PackedLayout(q.bits.cpu(), q.codes.shape[-1], has_col_scale=q.col_scale is not None)
+            self._layouts[key] = layout
+        return layout
+
+    def _pack(self, group, encoded):
+        """An encoded object with every QState in it bit-packed (an error-feedback state's two parts)."""
+        if isinstance(encoded, ErrorFeedbackState):
+            return ErrorFeedbackState(self._pack(group, encoded.state),
+                                      self._pack((group, "residual"), encoded.residual))
+        if isinstance(encoded, QState):
+            return pack(encoded, self._layout(group, encoded))
         return encoded
 
+    @staticmethod
+    def _unpack(encoded):
+        if isinstance(encoded, ErrorFeedbackState):
+            return ErrorFeedbackState(CompressedLinearAttentionLayer._unpack(encoded.state),
+                                      CompressedLinearAttentionLayer._unpack(encoded.residual))
+        return unpack(encoded) if isinstance(encoded, PackedState) else encoded
+
+    def _encode(self, group: int, states: torch.Tensor, previous=None):
+        """Encode one group's states; ``previous`` is what the group stored before (a decode token)."""
+        codec = self.codecs[group]
+        if previous is None:
+            encoded = codec.encode(states)
+        else:
+            encoded = codec.requantize(states, self._unpack(previous))
+        return self._pack(group, encoded) if self.packed else encoded
+
     def _decode(self, group: int, encoded) -> torch.Tensor:
-        if isinstance(encoded, PackedState):
-            encoded = unpack(encoded)
-        return self.codecs[group].decode(encoded)
+        return self.codecs[group].decode(self._unpack(encoded))
 
     def store(self, states: torch.Tensor, state_idx: int = 0) -> None:
-        """Encode FP32 states [N, H, K, V] group by group and keep only the encoded objects."""
+        """Encode FP32 states [N, H, K, V] group by group and keep only the encoded objects.
+
+        A group already holding a state is requantized (Codec.requantize: an error-feedback format adds
+        the residual it stored); the first store of a state is the boundary pack (Codec.encode).
+        """
         parts = states.split(self._sizes(states.shape[0]), dim=0)
-        self.encoded[state_idx] = [self._encode(g, part) for g, part in enumerate(parts)]
+        previous = self.encoded[state_idx] or [None] * len(parts)
+        self.encoded[state_idx] = [self._encode(g, part, prev)
+                                   for g, (part, prev) in enumerate(zip(parts, previous, strict=True))]
 
     def load(self, state_idx: int = 0) -> torch.Tensor:
         """The decoded FP32 states [N, H, K, V] of every row (groups in order)."""
@@ -336,11 +368,7 @@ class CompressedLinearAttentionLayer(LinearAttentionLayer):
         totals = [0] * len(self.codecs)
         for stored in self.encoded.values():
             for g, enc in enumerate(stored or ()):
-                if as_packed and isinstance(enc, QState):
-                    layout = self._layouts.get(g) or PackedLayout(enc.bits.cpu(), enc.codes.shape[-1],
-                                                                  has_col_scale=enc.col_scale is not None)
-                    enc = pack(enc, layout)
-                totals[g] += encoded_bytes(enc)
+                totals[g] += encoded_bytes(self._pack(g, enc) if as_packed else enc)
         return totals
 
 
