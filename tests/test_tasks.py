@@ -109,7 +109,7 @@ def test_bad_methods_plans_caches_and_tasks_are_named(tmp_path):
         StepquantLM(model=str(tmp_path))
     with pytest.raises(ValueError, match="unknown lm-eval task 'stepquant_clozee' .*did you mean "
                                          "stepquant_cloze"):
-        check_tasks(task_manager("gdn"), ["stepquant_cloze", "stepquant_clozee"])
+        check_tasks(task_manager("gdn", ["stepquant_clozee"]), ["stepquant_cloze", "stepquant_clozee"])
     with pytest.raises(FileNotFoundError, match="no FP32 reference continuations for model '/ckpt/mine'"):
         task_utils.load_continuation(model="/ckpt/mine")
 
@@ -121,7 +121,9 @@ def test_packed_cache_on_cpu_scores_like_the_compressed_cache():
     requests = _requests(compressed)[:2]
     for (a, _), (b, _) in zip(compressed._loglikelihood_tokens(requests, disable_tqdm=True),
                               packed._loglikelihood_tokens(requests, disable_tqdm=True), strict=True):
-        assert a == pytest.approx(b, abs=1e-3)  # the packed kernels' float summation order differs
+        # the packed kernels sum in another order: codes on a rounding boundary flip and the two caches drift
+        # apart slowly (docs/eval.md section 1); measured 2.9e-5 relative over 13 scored tokens
+        assert a == pytest.approx(b, rel=2e-4)
 
 
 def test_paired_difference_and_continuation_metric():
@@ -147,5 +149,5 @@ def test_stepquant_tasks_writes_the_table(tmp_path):
     assert "diff" not in methods["fp32"]["tasks"]["stepquant_cloze"]["acc,none"]
     assert (out / "tasks.md").read_text().count("| INT4 |") == 1
     assert (out / "tasks_gdn.png").stat().st_size > 0
-    bad = ["tasks", "--model", "gdn", "--methods", "int4", "--tasks", "nosuchtask", "--out", str(out)]
+    bad = ["tasks", "--model", "gdn", "--methods", "int4", "--tasks", "stepquant_nosuch", "--out", str(out)]
     assert main(bad) == 2

@@ -36,6 +36,7 @@ wraps so that the model is registered first::
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -149,6 +150,24 @@ class StepquantLM(TemplateLM):
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None \
             else self.eot_token_id
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> StepquantLM:
+        """lm-eval's constructor path: its own flags (--batch_size, --device; the command line always
+        passes a batch size) fill in what model_args does not say; model_args win."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None}
+        if "device" not in arg_dict and str(extra.get("device", "")).startswith("cuda") \
+                and not torch.cuda.is_available():  # lm-eval's --device defaults to cuda
+            print("stepquant: no CUDA GPU here; running on cpu (say device=... in model_args)",
+                  file=sys.stderr)
+            extra["device"] = "cpu"
+        return cls(**{**extra, **arg_dict})
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> StepquantLM:
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     def use(self, method) -> StepquantLM:
         """Hold the state in another format from now on (a stepquant.eval.methods.Method): several methods
         share one loaded model."""
@@ -235,8 +254,9 @@ class StepquantLM(TemplateLM):
             members.sort(key=lambda n: -len(self.tok_encode(requests[n].args[0])))
             for start in range(0, len(members), self.batch_size):
                 batch = members[start:start + self.batch_size]
-                contexts = [self.tok_encode(requests[n].args[0])[-(self.max_length - max_new):] or
-                            [self.prefix_token_id] for n in batch]
+                keep = max(1, self.max_length - max_new)  # the context's end, room for the answer
+                contexts = [self.tok_encode(requests[n].args[0])[-keep:] or [self.prefix_token_id]
+                            for n in batch]
                 texts = self._generate(contexts, until, max_new, temperature if sample else 0.0)
                 for n, text in zip(batch, texts, strict=True):
                     results[n] = text
@@ -350,8 +370,6 @@ class StepquantLM(TemplateLM):
 
 def main(argv: list[str] | None = None) -> None:
     """lm-eval's command line with ``--model stepquant`` registered: ``python -m stepquant.tasks.harness``."""
-    import sys
-
     from lm_eval.__main__ import cli_evaluate
 
     if argv is not None:

@@ -24,15 +24,19 @@ from pathlib import Path
 
 from stepquant.tasks.build import TASKS_DIR
 
+OFFLINE_PREFIX = "stepquant_"  # the offline tasks of lm_eval_tasks/
 SKIP_METRICS = ("perplexity", "word_perplexity", "byte_perplexity", "bits_per_byte")  # no paired difference
 
 
-def task_manager(model_name: str):
+def task_manager(model_name: str, tasks: list[str] | None = None):
     """lm-eval's task index with the offline tasks added; the continuation task reads the model from
-    the metadata."""
+    the metadata. Only the offline tasks are indexed when only they are asked for (lm-eval's own index
+    takes seconds to build)."""
     from lm_eval.tasks import TaskManager
 
-    return TaskManager(include_path=str(TASKS_DIR), metadata={"model": Path(model_name).name})
+    offline_only = tasks is not None and all(t.startswith(OFFLINE_PREFIX) for t in tasks)
+    return TaskManager(include_path=str(TASKS_DIR), include_defaults=not offline_only,
+                       metadata={"model": Path(model_name).name})
 
 
 def check_tasks(manager, tasks: list[str]) -> None:
@@ -98,7 +102,7 @@ def run_tasks(args) -> int:
     names = DEFAULT_METHODS if args.methods is None else [m for m in args.methods.split(",") if m.strip()]
     resolved = {m: model_methods(m, list(names), plans_dir=args.plans_dir, plan_paths=args.plan or [],
                                  skip_missing_plans=args.methods is None) for m in models}
-    managers = {m: task_manager(m) for m in models}
+    managers = {m: task_manager(m, tasks) for m in models}
     for manager in managers.values():
         check_tasks(manager, tasks)
 
