@@ -1,4 +1,4 @@
-"""The `stepquant` command line: calibrate | eval | memory | analyze.
+"""The `stepquant` command line: calibrate | eval | memory | analyze | tasks.
 
 Each sub-command lives next to the code it drives and registers itself through an
 ``add_cli(subparsers)`` function; this file only lists those modules, so adding a command is
@@ -20,6 +20,7 @@ COMMAND_MODULES = (
     "stepquant.eval.cli",  # eval
     "stepquant.calibrate.cli",  # calibrate
     "stepquant.analysis.cli",  # analyze
+    "stepquant.tasks.cli",  # tasks (lm-eval)
 )
 
 

@@ -8,7 +8,7 @@ to top:
     1  families                 families
     2  shipped assets           models, data, assets
     3  calibration, serving, accounting   calibrate, pool, kernels, integrations, accounting
-    4  evaluation, analysis     eval, analysis
+    4  evaluation, analysis     eval, analysis, tasks
     5  commands                 stepquant/cli.py and every <package>/cli.py
 
 A module imports only its own layer or lower ones; serving (pool, kernels, integrations) never imports
@@ -30,7 +30,7 @@ LAYERS = {
     "stepquant.models": 2, "stepquant.data": 2, "stepquant.assets": 2,
     "stepquant.calibrate": 3, "stepquant.pool": 3, "stepquant.kernels": 3, "stepquant.integrations": 3,
     "stepquant.accounting": 3,
-    "stepquant.eval": 4, "stepquant.analysis": 4,
+    "stepquant.eval": 4, "stepquant.analysis": 4, "stepquant.tasks": 4,
 }
 COMMANDS = 5
 SERVING = ("stepquant.pool", "stepquant.kernels", "stepquant.integrations")
