@@ -37,8 +37,15 @@ def paired_difference(method: dict, base: dict) -> dict:
     if len(a) != len(b) or len(a) < 2:
         raise ValueError(f"paired differences need the same number (>= 2) of blocks on both sides, got "
                          f"{len(a)} and {len(b)}: compare methods of one eval run")
-    diffs = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
-    return {"diff": float(diffs.mean()), "se": float(diffs.std() / len(diffs) ** 0.5), "blocks": len(diffs)}
+    diff, se = mean_and_stderr([x - y for x, y in zip(a, b, strict=True)])
+    return {"diff": diff, "se": se, "blocks": len(a)}
+
+
+def mean_and_stderr(values: list[float]) -> tuple[float, float]:
+    """Mean and standard error (sample standard deviation / sqrt n; 0 for one value) of paired differences."""
+    diffs = torch.tensor(values, dtype=torch.float64)
+    se = float(diffs.std() / len(diffs) ** 0.5) if len(diffs) > 1 else 0.0
+    return float(diffs.mean()), se
 
 
 def markdown_report(record: dict) -> str:

@@ -245,7 +245,7 @@ class CompressedLinearAttentionLayer(LinearAttentionLayer):
     def _encode(self, group: int, states: torch.Tensor, previous=None):
         """Encode one group's states; ``previous`` is what the group stored before (a decode token)."""
         codec = self.codecs[group]
-        if previous is None:
+        if previous is None or not codec.carries_residual:  # stateless formats: no unpack of the old state
             encoded = codec.encode(states)
         else:
             encoded = codec.requantize(states, self._unpack(previous))

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from stepquant.eval.report import mean_and_stderr
 from stepquant.tasks.build import TASKS_DIR
 
 OFFLINE_PREFIX = "stepquant_"  # the offline tasks of lm_eval_tasks/
@@ -61,9 +62,7 @@ def _paired(samples_m: list[dict], samples_ref: list[dict], metric: str,
              if s.get("filter") == filt and metric in s and s["doc_id"] in ref]
     if not diffs:
         return math.nan, math.nan, 0
-    mean = sum(diffs) / len(diffs)
-    var = sum((d - mean) ** 2 for d in diffs) / max(1, len(diffs) - 1)
-    return mean, math.sqrt(var / len(diffs)), len(diffs)
+    return (*mean_and_stderr(diffs), len(diffs))
 
 
 def method_results(output: dict, reference: dict | None) -> dict:
