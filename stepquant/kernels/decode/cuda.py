@@ -82,11 +82,14 @@ def _nvcc_version(nvcc: str) -> str:
     return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout
 
 
-def build(defines: tuple[tuple[str, int], ...], target: str) -> Path:
+def build(defines: tuple[tuple[str, int], ...], target: str, source: Path | None = None) -> Path:
     """The shared library for one configuration, compiled into the cache on first use.
 
     target: a CUDA architecture ("90" for sm_90), or CPU for the emulation build (g++, cuda_emulation.h).
+    source: another version of packed_step.cu (benchmarks/ab_cuda_source.py times two against each other);
+    default SOURCE.
     """
+    source = SOURCE if source is None else Path(source)
     if target == CPU:
         compiler = shutil.which("g++") or shutil.which("c++")
         if compiler is None:
@@ -102,7 +105,7 @@ def build(defines: tuple[tuple[str, int], ...], target: str) -> Path:
                  "-Xcompiler", "-fPIC"]
         version = _nvcc_version(compiler)
     flags += [f"-D{name}={value}" for name, value in defines]
-    sources = SOURCE.read_bytes() + EMULATION_HEADER.read_bytes()
+    sources = source.read_bytes() + EMULATION_HEADER.read_bytes()
     digest = hashlib.sha256(sources + repr(flags).encode() + version.encode())
     target_path = cache_dir() / digest.hexdigest()[:20] / "packed_step.so"
     if target_path.exists():
@@ -110,10 +113,10 @@ def build(defines: tuple[tuple[str, int], ...], target: str) -> Path:
     target_path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target_path.parent) as tmp:  # build aside, then rename: no torn file
         out = Path(tmp) / "packed_step.so"
-        command = [compiler, *flags, "-o", str(out), str(SOURCE)]
+        command = [compiler, *flags, "-o", str(out), str(source)]
         result = subprocess.run(command, capture_output=True, text=True)
         if result.returncode != 0:
-            raise RuntimeError(f"{Path(compiler).name} failed to build {SOURCE.name} ({' '.join(flags)}):\n"
+            raise RuntimeError(f"{Path(compiler).name} failed to build {source.name} ({' '.join(flags)}):\n"
                                f"{result.stderr[-4000:]}")
         os.replace(out, target_path)
     return target_path

@@ -61,6 +61,7 @@ struct Cta {
     std::barrier<>* block = nullptr;
     std::vector<std::barrier<>*> warps;
     uint64_t lanes[kMaxThreads];
+    int any = 0;  // __syncthreads_or
 };
 inline Cta* cta = nullptr;
 }  // namespace emu
@@ -72,6 +73,15 @@ inline thread_local EmuIndex threadIdx, blockIdx;
 
 inline void __syncthreads() { emu::cta->block->arrive_and_wait(); }
 inline void __syncwarp(unsigned = 0xffffffffu) { emu::cta->warps[emu::tid / 32]->arrive_and_wait(); }
+inline int __syncthreads_or(int predicate) {  // set, read after every thread set, reset after every read
+    if (predicate) __atomic_store_n(&emu::cta->any, 1, __ATOMIC_RELAXED);
+    __syncthreads();
+    const int out = __atomic_load_n(&emu::cta->any, __ATOMIC_RELAXED);
+    __syncthreads();
+    if (emu::tid == 0) __atomic_store_n(&emu::cta->any, 0, __ATOMIC_RELAXED);
+    __syncthreads();
+    return out;
+}
 
 template <typename T>
 inline T __shfl_xor_sync(unsigned, T value, int mask) {

@@ -120,19 +120,36 @@ constexpr bool FROM_CODES = SQ_PART != PACK;
 
 constexpr int STAGE_WORDS = MAX_K * V / 2;  // a head of FP16 pivot rows: 128 rows x 64 words (32 KB)
 
+// The scratch buffer (it shares its memory with the stage) holds, one after another, the row partials of
+// step 3 [warp][lane][pad] at 0, the column maxima of step 4 [warp][V] at COLMAX_AT and the refit sums of
+// step 5 [2][warp][V] at 0. Each lies apart from the one written before it, so a warp may write its
+// partials as soon as it is done (no barrier waits for the other warps to finish reading): the column
+// maxima do not touch the row partials, and the refit sums are written after the barrier that ends the
+// reads of the row partials. The fused step's readout partials [2][warp][V] (step 2) get their own buffer
+// when it fits the 48 KB of static shared memory (8 warps), so they need not wait for every warp to have
+// read the stage (the readout alone keeps them in the scratch: its CTAs are few registers, and the 8 KB
+// would cost it one CTA per multiprocessor, measured 3-7% slower).
+constexpr int ROW_PARTIALS = NUM_WARPS * 32 * ROW_PAD;
+constexpr int COLMAX_AT = ROW_PARTIALS;
+constexpr int SCRATCH = COLMAX_AT + NUM_WARPS * V;
+constexpr bool OWN_READOUT_BUFFER = NUM_WARPS == 8 && SQ_PART == FUSED;
+static_assert(2 * NUM_WARPS * V <= COLMAX_AT, "refit sums must not reach the column maxima");
+static_assert(OWN_READOUT_BUFFER || 2 * NUM_WARPS * V <= SCRATCH, "readout partials fit the scratch");
+
 struct Shared {
-    float4 row[MAX_K];        // (a k, a q, a, k): a = r_old e^g (pivot rows: e^g)
+    float4 row[MAX_K];        // (a k, a q, a, k) before the L2 norms: a = r_old e^g (pivot rows: e^g)
     float4 rowp[MAX_K];       // (row factor f, refit weight, gain, -)
     float2 rowq[MAX_K];       // (1/r or r, w^2 r^2) of the new row scales
     int rinfo[MAX_K];         // first word << 5 | bits
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
     float red[12];
+    float readout[OWN_READOUT_BUFFER ? 2 * NUM_WARPS * V : 1];  // readout partials [k or q][warp][V]
     union {
         uint4 stage[STAGE_WORDS / 4];             // the head's code words (step 1)
-        float scratch[NUM_WARPS * 32 * ROW_PAD > 4 * NUM_WARPS * V ? NUM_WARPS * 32 * ROW_PAD : 4 * NUM_WARPS * V];
-        // column partials [q][warp][V] / row partials [warp][lane][pad]
+        float scratch[SCRATCH];                   // partials of steps 3-5 (above)
     };
 };
+static_assert(sizeof(Shared) <= 48 * 1024, "static shared memory");
 
 __device__ __forceinline__ float fp16_scale(float x) {
     // base.fp16_scale: clamp in FP32, round to nearest FP16
@@ -419,8 +436,8 @@ __device__ __forceinline__ void store_codes_any(int* row, int b, int lane, uint3
 template <int KIND>
 __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&x)[ROWS][COLS],
                                            const bool (&row_pivot)[ROWS], const float (&c_old)[COLS],
-                                           long long nh, int* slot_codes, long long rs_base, long long cs_base,
-                                           bool has_scales, int4 head) {
+                                           float fk, long long nh, int* slot_codes, long long rs_base,
+                                           long long cs_base, bool has_scales, int4 head) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int K = p.K;
     const int row0 = warp * ROWS;
@@ -428,10 +445,10 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     int* head_codes = slot_codes + head.z;
 
     // ---- 3. X = D S + k u^T (in place), row statistic -> new row scales
-    __syncthreads();  // the scratch buffer held the readout partials
+    // (the barrier before this step ended every read of the stage and of the readout partials)
     {
         const float4 u4 = *reinterpret_cast<const float4*>(&sm.col[1][4 * lane]);
-        const float u[COLS] = {u4.x, u4.y, u4.z, u4.w};
+        const float u[COLS] = {fk * u4.x, fk * u4.y, fk * u4.z, fk * u4.w};  // k is stored before its norm
         float* mine = sm.scratch + (warp * 32 + lane) * ROW_PAD;  // this lane's partial statistic per row
 #pragma unroll
         for (int r0 = 0; r0 < ROWS; r0 += 4) {
@@ -495,6 +512,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
 
     // ---- 4. Y = X / r (dual-axis), column maxima -> column scales of the first codes
     float cc[COLS] = {1.f, 1.f, 1.f, 1.f}, rcc[COLS] = {1.f, 1.f, 1.f, 1.f};
+    bool saturated = false;  // a column maximum above FP16's 65504: its scale saturates, codes need the clamp
     auto load_cols = [&]() {
         const float4 c4 = *reinterpret_cast<const float4*>(&sm.col[2][4 * lane]);
         const float4 r4 = *reinterpret_cast<const float4*>(&sm.col[3][4 * lane]);
@@ -514,29 +532,34 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                 colmax[c] = KIND ? fmaxf(colmax[c], fabsf(x[r][c])) : fmaxf(colmax[c], __fmul_rn(fabsf(x[r][c]), gain));
             }
         }
-        __syncthreads();  // row partials read
-        float* part = sm.scratch;
+        float* part = sm.scratch + COLMAX_AT;  // apart from the row partials other warps may still read
         *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(colmax[0], colmax[1], colmax[2], colmax[3]);
         __syncthreads();
+        bool over = false;
         if (column_thread(tid)) {
             const int j = tid - MAX_K;
             float m = 0.f;
 #pragma unroll
             for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, part[w * V + j]);
             // one width per head: max(|Y| gain) = max(|Y|) gain (gain > 0 and rounding is monotone)
-            const float c0 = fp16_scale(KIND ? __fmul_rn(m, sm.rowp[0].z) : m);
+            if constexpr (KIND) m = __fmul_rn(m, sm.rowp[0].z);
+            const float c0 = fp16_scale(m);
+            over = m > FP16_MAX;
             sm.col[2][j] = c0;
             sm.col[3][j] = SQ_RECIP ? __frcp_rn(c0) : __fdividef(1.f, c0);
         }
-        __syncthreads();
+        saturated = __syncthreads_or(over);
         load_cols();
     }
 
     // ---- 5. codes against the current column scales; refits; the last pass packs in place
     constexpr bool REFIT = SQ_DUAL && SQ_REFITS > 0;
     // one pass over the tile: codes (clamped to the grid unless they provably stay on it), refit sums,
-    // and in the last pass the packed words
-    auto code_pass = [&]<bool FIRST, bool LAST>() {
+    // and in the last pass the packed words. The first codes of a head of one width b whose clip_b is 1
+    // stay on the grid: |Y_ij| gain <= c_j (1 + 2^-11) (c_j is max_i |Y_ij| gain rounded to nearest FP16), so
+    // |t| <= qmax_b + 2^-11 qmax_b < qmax_b + 1/2, unless a column's maximum passed 65504 and its scale
+    // saturated there (SATURATED: an |X| of ~1e11 and more): then they are clamped as every other code.
+    auto code_pass = [&]<bool FIRST, bool LAST, bool SATURATED>() {
         float num[COLS] = {0.f, 0.f, 0.f, 0.f}, den[COLS] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int r = 0; r < ROWS; ++r) {
@@ -546,9 +569,9 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
             } else {
                 const float2 rq = sm.rowq[i];
                 // heads of one width: its grid constants are known when compiled, and the first codes of a
-                // width whose clip_b is 1 cannot leave the grid (docs/kernels.md); mixed rows clamp always
+                // width whose clip_b is 1 cannot leave the grid (above); mixed rows clamp always
                 const Width wd = width_of(KIND ? KIND : (sm.rinfo[i] & 31));
-                constexpr bool CLAMP = !(KIND && FIRST && SQ_DUAL && !((SQ_CLIPPED >> KIND) & 1));
+                constexpr bool CLAMP = SATURATED || !(KIND && FIRST && SQ_DUAL && !((SQ_CLIPPED >> KIND) & 1));
                 uint32_t code[COLS];
 #pragma unroll
                 for (int c = 0; c < COLS; ++c) {
@@ -573,8 +596,8 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
         }
         if (SQ_DEBUG && LAST && column_thread(tid)) p.dbg_c[nh * V + tid - MAX_K] = SQ_DUAL ? sm.col[2][tid - MAX_K] : 1.f;
         if constexpr (REFIT) {
-            // refit c = sum (w^2 r^2 z) Y / sum (w^2 r^2 z) z over the head's rows (8 warps -> smem)
-            __syncthreads();
+            // refit c = sum (w^2 r^2 z) Y / sum (w^2 r^2 z) z over the head's rows (8 warps -> smem); the
+            // buffer's row partials were read before the column maxima's barrier, and it lies apart from them
             float* part = sm.scratch;
             *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(num[0], num[1], num[2], num[3]);
             *reinterpret_cast<float4*>(&part[(NUM_WARPS + warp) * V + 4 * lane]) = make_float4(den[0], den[1], den[2], den[3]);
@@ -596,13 +619,17 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
             if (!LAST) load_cols();
         }
     };
-    if constexpr (SQ_REFITS <= 1 || !SQ_DUAL) {
-        code_pass.template operator()<true, true>();
+    constexpr bool ONE_PASS = SQ_REFITS <= 1 || !SQ_DUAL;
+    constexpr bool MAY_SKIP_CLAMP = KIND && SQ_DUAL && !((SQ_CLIPPED >> KIND) & 1);  // first codes unclamped
+    if (MAY_SKIP_CLAMP && saturated) {
+        code_pass.template operator()<true, ONE_PASS, true>();
     } else {
-        code_pass.template operator()<true, false>();
+        code_pass.template operator()<true, ONE_PASS, false>();
+    }
+    if constexpr (!ONE_PASS) {
 #pragma unroll 1
-        for (int pass = 1; pass < SQ_REFITS - 1; ++pass) code_pass.template operator()<false, false>();
-        code_pass.template operator()<false, true>();
+        for (int pass = 1; pass < SQ_REFITS - 1; ++pass) code_pass.template operator()<false, false, false>();
+        code_pass.template operator()<false, true, false>();
     }
     // ---- the new column scales: the refitted ones, or the init without refits
     if (SQ_DUAL && has_scales && column_thread(tid)) {
@@ -626,25 +653,17 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     // where row i starts, in words from the head's first word (heads of one width: a fixed stride)
     auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
 
-    // ---- 0. the head's code words into shared memory (16-byte copies: rows are 16-byte multiples at
-    // V = 128), overlapped with the per-row inputs
-    if constexpr (FROM_CODES) {
-        const uint4* src = reinterpret_cast<const uint4*>(slot_codes + head.z);
-        uint4* dst = sm.stage;
-#pragma unroll 1
-        for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(dst + e, src + e);
-    }
-    // every global input of the step is loaded here, before the first barrier, so that the CTA waits on
-    // global memory once: per key row (threads 0..127) k, q, the row's table entries, the gate and the old
-    // row scale; per value column (threads 128..255) the old column scale and v, beta (or u of the split)
-    float k_i = 0.f, q_i = 0.f, eg = 1.f, r_old = 1.f;  // row threads
-    float v_j = 0.f, beta = 0.f;                          // column threads (v_j: u in the split writeback)
+    // ---- 0. every global input of the step is loaded here, before the first barrier, so that the CTA
+    // waits on global memory once. First what does not depend on the slot id (in flight while it arrives):
+    // per key row (threads 0..127) k, q, the gate and the row's table entries; per value column (threads
+    // 128..255) v and beta (or u of the split). Rows past K are neutral: a = k = q = 0 makes their X zero,
+    // refit weight 0 keeps them out of the fit, a valid width keeps their (unused) levels finite; nothing
+    // of theirs is stored.
+    float k_i = 0.f, q_i = 0.f, eg = 1.f, r_old = 1.f, winv = 1.f, w2 = 0.f, gain = 0.f;  // row threads
+    int info = (head.z << 5) | (KIND ? KIND : 2);
+    float v_j = 0.f, beta = 0.f;  // column threads (v_j: u in the split writeback)
     if (tid < MAX_K) {
-        // rows past K are neutral: a = k = q = 0 makes their X zero, refit weight 0 keeps them out of
-        // the fit, a valid width keeps their (unused) levels finite; nothing of theirs is stored
         const int i = tid;
-        int info = (head.z << 5) | (KIND ? KIND : 2);
-        float winv = 1.f, w2 = 0.f, gain = 0.f;
         if (i < K) {
             if (SQ_PART != PACK) {
                 k_i = load_in(p.k, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 2);
@@ -652,19 +671,12 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             }
             info = p.row_info[h * K + i];
             if (FROM_CODES) eg = load_in(p.g, SQ_KDA ? nh * K + i : nh, p.bf16_mask & 8);
-            if (FROM_CODES && has_scales) r_old = __half2float(p.row_scale[rs_base + i]);  // pivot rows: unused
             winv = p.row_winv[h * K + i];
             w2 = p.row_w2[h * K + i];
             gain = p.row_gain[h * K + i];
         }
-        sm.rinfo[i] = info;
-        sm.rowp[i] = make_float4(winv, w2, gain, 0.f);
-        sm.rowq[i] = make_float2(1.f, 0.f);
-        const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
-        if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
     } else if (column_thread(tid)) {
         const int j = tid - MAX_K;
-        sm.col[0][j] = (SQ_DUAL && has_scales && FROM_CODES) ? __half2float(p.col_scale[cs_base + j]) : 1.f;
         if constexpr (DO_READOUT) {
             v_j = load_in(p.v, nh * V + j, p.bf16_mask & 4);
             beta = load_in(p.beta, nh, p.bf16_mask & 16);
@@ -672,6 +684,33 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             v_j = p.work[nh * V + j];
         }
     }
+    if (slot < 0) return;  // a free batch row: its output and every slot stay untouched (no barrier yet)
+    // then the slot's: its code words into shared memory (16-byte copies: rows are 16-byte multiples at
+    // V = 128), the old row and column scales
+    if constexpr (FROM_CODES) {
+        const uint4* src = reinterpret_cast<const uint4*>(slot_codes + head.z);
+        uint4* dst = sm.stage;
+#pragma unroll 1
+        for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(dst + e, src + e);
+    }
+    if (tid < MAX_K) {
+        const int i = tid;
+        if (FROM_CODES && has_scales && i < K) r_old = __half2float(p.row_scale[rs_base + i]);  // pivot rows: unused
+        sm.rinfo[i] = info;
+        sm.rowp[i] = make_float4(winv, w2, gain, 0.f);
+        sm.rowq[i] = make_float2(1.f, 0.f);
+        // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1); rows past K: a = 0. k and q
+        // enter before their norms (fk, fq below need every row's k and q; they scale the sums instead)
+        const int b = info & 31;
+        const float a = i < K ? ((b <= 8) ? r_old : 1.f) * (FROM_CODES ? expf(eg) : 1.f) : 0.f;
+        sm.row[i] = make_float4(a * k_i, a * q_i, a, k_i);
+        const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
+        if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
+    } else if (column_thread(tid)) {
+        const int j = tid - MAX_K;
+        sm.col[0][j] = (SQ_DUAL && has_scales && FROM_CODES) ? __half2float(p.col_scale[cs_base + j]) : 1.f;
+    }
+    if constexpr (FROM_CODES) cp_async_wait_all();
     __syncthreads();
     const float kn = sm.red[0] + sm.red[1] + sm.red[2] + sm.red[3];
     const float qn = sm.red[4] + sm.red[5] + sm.red[6] + sm.red[7];
@@ -681,16 +720,6 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         fq = (SQ_KDA ? 1.f / sqrtf(qn + 1e-6f) : rsqrtf(qn + 1e-6f)) * p.scale;
     }
     const float kq = (sm.red[8] + sm.red[9] + sm.red[10] + sm.red[11]) * (fk * fq);
-    if (tid < MAX_K) {
-        const int i = tid;
-        const int b = sm.rinfo[i] & 31;
-        // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1); rows past K: a = 0
-        const float a = i < K ? ((b <= 8) ? r_old : 1.f) * (FROM_CODES ? expf(eg) : 1.f) : 0.f;
-        const float kf = k_i * fk, qf = q_i * fq;
-        sm.row[i] = make_float4(a * kf, a * qf, a, kf);
-    }
-    if constexpr (FROM_CODES) cp_async_wait_all();
-    __syncthreads();
 
     float x[ROWS][COLS];  // levels, then X, then Y (pivot rows: values, then X)
     bool row_pivot[ROWS];
@@ -739,33 +768,38 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             }
         }
     }
-    __syncthreads();  // the stage is read: its memory holds the partial sums from here on
+    // the readout partials share their memory with the stage when they have no buffer of their own; the
+    // other parts' next barrier (below) ends the stage's reads
+    if constexpr (DO_READOUT && !OWN_READOUT_BUFFER) __syncthreads();
 
-    // ---- 2. u and y (threads 128..255 hold the columns)
+    // ---- 2. u and y: threads 128..255 sum k^T D S and compute u (they hold v and beta), threads 0..127
+    // sum q^T D S and store y once u is there
     if constexpr (DO_READOUT) {
-        constexpr int NQ = 2;
-        float* part = sm.scratch;  // [NQ][NUM_WARPS][V]
+        float* part = OWN_READOUT_BUFFER ? sm.readout : sm.scratch;  // [k or q][NUM_WARPS][V]
 #pragma unroll
-        for (int a = 0; a < NQ; ++a)
+        for (int a = 0; a < 2; ++a)
             *reinterpret_cast<float4*>(&part[(a * NUM_WARPS + warp) * V + 4 * lane]) =
                 make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]);
         __syncthreads();
-        if (column_thread(tid)) {
-            const int j = tid - MAX_K;
-            float s[NQ] = {0.f, 0.f};
+        const int j = tid & (V - 1);
+        float qds = 0.f;  // q^T (D S)_j (threads 0..127)
+        if (tid < 2 * V) {
+            const int a = tid < V ? 1 : 0;
+            float s = 0.f;
 #pragma unroll
-            for (int a = 0; a < NQ; ++a)
-#pragma unroll
-                for (int w = 0; w < NUM_WARPS; ++w) s[a] += part[(a * NUM_WARPS + w) * V + j];
-            const float cj = sm.col[0][j];
-            const float kds = __fmul_rn(cj, s[0]);  // k^T (D S)_j
-            const float qds = __fmul_rn(cj, s[1]);  // q^T (D S)_j
-            const float u = beta * (v_j - kds);
-            sm.col[1][j] = u;
-            store_out(p.y, nh * V + j, __fmaf_rn(kq, u, qds), p.bf16_mask & 32);  // y = X^T q, before requantizing
-            if (SQ_PART == READOUT && p.work) p.work[nh * V + j] = u;
+            for (int w = 0; w < NUM_WARPS; ++w) s += part[(a * NUM_WARPS + w) * V + j];
+            const float ds = __fmul_rn(sm.col[0][j], s) * (a ? fq : fk);  // the norms, after the sums
+            if (a) {
+                qds = ds;
+            } else {
+                const float u = beta * (v_j - ds);  // ds = k^T (D S)_j
+                sm.col[1][j] = u;
+                if (SQ_PART == READOUT && p.work) p.work[nh * V + j] = u;
+            }
         }
         __syncthreads();
+        if (tid < V)  // y = X^T q = (D S)^T q + (k.q) u, before anything is requantized
+            store_out(p.y, nh * V + j, __fmaf_rn(kq, sm.col[1][j], qds), p.bf16_mask & 32);
     } else if constexpr (SQ_PART == WRITEBACK) {
         if (column_thread(tid)) sm.col[1][tid - MAX_K] = v_j;  // the readout's u
         __syncthreads();
@@ -774,15 +808,14 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         __syncthreads();
     }
     if constexpr (DO_WRITEBACK) {
-        requantize<KIND>(p, sm, x, row_pivot, c_old, nh, slot_codes, rs_base, cs_base, has_scales, head);
+        requantize<KIND>(p, sm, x, row_pivot, c_old, fk, nh, slot_codes, rs_base, cs_base, has_scales, head);
     }
 }
 
 __global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(const Params p) {
     __shared__ Shared sm;
     const int n = blockIdx.x, h = blockIdx.y;
-    const int slot = p.slots[n];
-    if (slot < 0) return;  // a free batch row: its output and every slot stay untouched
+    const int slot = p.slots[n];  // -1: a free batch row (head_step returns before its first barrier)
     const int4 head = reinterpret_cast<const int4*>(p.heads)[h];  // (kind, scale slot, first word, words)
 #ifdef SQ_ONLY_KIND  // one body alone, for offline instruction counts (benchmarks/sass_cuda.py)
     head_step<SQ_ONLY_KIND>(p, sm, n, h, slot, head);

@@ -1,0 +1,128 @@
+"""Two versions of the CUDA decode kernel's source timed against each other in one run (H200).
+
+A kernel change that should win a few percent cannot be judged from two runs on two machines (a call may
+land on another GPU, and timings move between runs): this builds every version given (``--source
+NAME=PATH``; the working tree's packed_step.cu is "current") for the same configurations, then times them
+interleaved, round after round, at B = 512 on the benchmark's plan-shaped GDN and KDA layers (the shapes
+and inputs of bench_decode.py), and prints the median per version and its ratio to the first.
+
+    git show <rev>:stepquant/kernels/decode/packed_step.cu > /tmp/old.cu     # where git is at hand
+    python benchmarks/ab_cuda_source.py --source old=/tmp/old.cu --out results/ab.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import (  # noqa: E402
+    MODELS,
+    RECIPROCAL_0,
+    RECIPROCAL_1,
+    VALUE_DIM,
+    bench,
+    make_layer,
+    rotating,
+    rotation_groups,
+    slot_groups,
+    synthetic_plan,
+    token_inputs,
+)
+
+from stepquant.codecs import LayerFormat  # noqa: E402
+from stepquant.kernels.decode import cuda  # noqa: E402
+
+CASES = [  # (model, bits, quantizer name, quantizer, part)
+    *[(model, 6, "r1", RECIPROCAL_1, part) for model in ("gdn", "kda")
+      for part in ("fused", "readout", "writeback")],
+    *[(model, 6, "r0", RECIPROCAL_0, "fused") for model in ("gdn", "kda")],
+    *[(model, 4, "r1", RECIPROCAL_1, "fused") for model in ("gdn", "kda")],
+]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
+                        help="a version of packed_step.cu to time beside the current one (repeatable)")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rep", type=int, default=60)
+    parser.add_argument("--jobs", type=int, default=16, help="parallel nvcc builds")
+    parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or cuda.nvcc_path() is None:
+        print("needs a CUDA GPU and nvcc")
+        return 2
+    sources = {"current": cuda.SOURCE}
+    for item in args.source:
+        name, sep, path = item.partition("=")
+        if not sep or not Path(path).is_file():
+            raise SystemExit(f"--source {item!r}: give NAME=PATH of an existing packed_step.cu")
+        sources[name] = Path(path).resolve()
+    major, minor = torch.cuda.get_device_capability()
+    target = f"{major}{minor}"
+
+    layers = {}
+    for model, bits, qname, config, part in CASES:
+        spec = MODELS[model]
+        plan = synthetic_plan(model, bits, spec["heads"])
+        slot_bytes = LayerFormat(plan, None, "dual_axis").bytes(VALUE_DIM)
+        layer = make_layer(plan, "dual_axis", rotation_groups(args.batch * slot_bytes) * args.batch, config)
+        layers[(model, bits, qname, part)] = (layer, cuda.defines_for(layer.tables, part, spec["kda"]))
+    started = time.time()
+    jobs = [(path, defines) for path in sources.values() for _, defines in layers.values()]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        list(pool.map(lambda job: cuda.build(job[1], target, source=job[0]), jobs))
+    print(f"built {len(jobs)} libraries in {time.time() - started:.0f} s", flush=True)
+
+    times: dict = {}
+    for round_ in range(args.rounds):
+        for (model, bits, qname, part), (layer, _) in layers.items():
+            spec = MODELS[model]
+            inputs = token_inputs(args.batch, spec["heads"], spec["key_heads"], spec["kda"])
+            kwargs = dict(use_qk_l2norm=True, part=part,
+                          out=torch.empty(args.batch, spec["heads"], VALUE_DIM, device="cuda",
+                                          dtype=torch.bfloat16))
+            if part != "fused":
+                kwargs["work"] = torch.zeros(args.batch, spec["heads"], VALUE_DIM, device="cuda")
+            call = lambda s, t=(layer.tables, layer.pages), x=inputs, kw=kwargs: cuda.decode(*t, s, *x, **kw)
+            groups = slot_groups(layer.num_slots // args.batch, args.batch)
+            for name, path in sources.items():
+                cuda.SOURCE = path
+                cuda._load.cache_clear()
+                ms = bench(rotating(call, groups), args.warmup, args.rep)
+                times.setdefault(f"{model}@{bits} {qname} {part}", {}).setdefault(name, []).append(ms)
+        print(f"round {round_ + 1} done", flush=True)
+    cuda.SOURCE = sources["current"]
+    cuda._load.cache_clear()
+
+    names = list(sources)
+    print(f"\nB = {args.batch}, {torch.cuda.get_device_name()}, median of {args.rounds} rounds (ms)")
+    print("| case | " + " | ".join(names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
+    print("|---" * (2 * len(names)) + "|")
+    result = {"gpu": torch.cuda.get_device_name(), "batch": args.batch, "rounds": args.rounds,
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {}}
+    for case, per in times.items():
+        med = {n: statistics.median(per[n]) for n in names}
+        result["cases"][case] = {"median_ms": med, "all_ms": per}
+        ratios = " | ".join(f"{med[n] / med[names[0]]:.3f}" for n in names[1:])
+        print(f"| {case} | " + " | ".join(f"{med[n]:.4f}" for n in names) + f" | {ratios} |")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
