@@ -379,24 +379,26 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // one subtraction: per value 2 instructions plus ~1/4 of the row's ~15, against one shift and one
 // mask-and-or per plane and value when the planes are merged value by value.
 __device__ __forceinline__ void levels_any(const int* row, int b, int lane, float* z) {
-    // branch-free: every plane's chunk is loaded (an absent plane's read lands on this row's or the next
-    // rows' words in the stage, at most 28 words past the row's start, and is masked off), so the
-    // compiler needs no convergence barrier per plane (it cannot know that b is the same in every lane)
     const uint8_t* base = reinterpret_cast<const uint8_t*>(row);
-    const int w2 = (b & 4) << 2;        // words before the 2-bit plane: 16 when the 4-bit plane is there
-    const int w1 = w2 + ((b & 2) << 2);  // before the 1-bit plane: and 8 for the 2-bit plane
-    // code bits 0..3: nibble c of the chunk -> byte c
-    uint32_t c4 = reinterpret_cast<const uint16_t*>(base)[lane];
-    c4 = (c4 | (c4 << 8)) & 0x00FF00FFu;
-    uint32_t bytes = (c4 | (c4 << 4)) & 0x0F0F0F0Fu & (0u - ((b >> 2) & 1));
-    // code bits (b & 4).. : field c (bits 2c, 2c + 1) of the chunk -> byte c
-    uint32_t c2 = base[4 * w2 + lane];
-    c2 = (c2 | (c2 << 12)) & 0x000F000Fu;
-    bytes |= (((c2 | (c2 << 6)) & 0x03030303u) << (b & 4)) & (0u - ((b >> 1) & 1));
-    // code bit (b & 6): bit c of the lane's nibble -> byte c
-    uint32_t c1 = (uint32_t(base[4 * w1 + (lane >> 1)]) >> ((lane & 1) * 4)) & 0xFu;
-    c1 = (c1 | (c1 << 14)) & 0x00030003u;
-    bytes |= (((c1 | (c1 << 7)) & 0x01010101u) << (b & 6)) & (0u - (b & 1));
+    uint32_t bytes = 0;
+    int words = 0;  // the planes before this one
+    if (b & 4) {  // code bits 0..3: nibble c of the chunk -> byte c
+        uint32_t c4 = reinterpret_cast<const uint16_t*>(base)[lane];
+        c4 = (c4 | (c4 << 8)) & 0x00FF00FFu;
+        bytes = (c4 | (c4 << 4)) & 0x0F0F0F0Fu;
+        words = 16;
+    }
+    if (b & 2) {  // code bits (b & 4).. : field c (bits 2c, 2c + 1) of the chunk -> byte c
+        uint32_t c2 = base[4 * words + lane];
+        c2 = (c2 | (c2 << 12)) & 0x000F000Fu;
+        bytes |= ((c2 | (c2 << 6)) & 0x03030303u) << (b & 4);
+        words += 8;
+    }
+    if (b & 1) {  // code bit (b & 6): bit c of the lane's nibble -> byte c
+        uint32_t c1 = (uint32_t(base[4 * words + (lane >> 1)]) >> ((lane & 1) * 4)) & 0xFu;
+        c1 = (c1 | (c1 << 14)) & 0x00030003u;
+        bytes |= ((c1 | (c1 << 7)) & 0x01010101u) << (b & 6);
+    }
     bytes <<= 1;  // 2 * code per byte (b <= 7 bits: no carry out of a byte)
     const float off = MAGIC_LEVEL + (SQ_MIDRISE ? float(1 << (b - 1)) - 0.5f : float(1 << (b - 1)));
     z[0] = __uint_as_float(__byte_perm(bytes, 0x4A800000u, 0x7640)) - off;
@@ -405,22 +407,29 @@ __device__ __forceinline__ void levels_any(const int* row, int b, int lane, floa
     z[3] = __uint_as_float(__byte_perm(bytes, 0x4A800000u, 0x7643)) - off;
 }
 
-// store the codes (a byte each) of a mixed-width row of b <= 8 bits (the layout of store_codes<B>): every
-// plane's chunk is computed, and only the stores of the planes present are predicated (no branches)
+// store the codes (a byte each) of a mixed-width row of b <= 8 bits (the layout of store_codes<B>)
 __device__ __forceinline__ void store_codes_any(int* row, int b, int lane, uint32_t bytes) {
     uint8_t* base = reinterpret_cast<uint8_t*>(row);
-    const int w4 = (b & 8) << 2;         // words before the 4-bit plane: 32 when the 8-bit plane is there
-    const int w2 = w4 + ((b & 4) << 2);
-    const int w1 = w2 + ((b & 2) << 2);
-    const uint32_t chunk4 = plane_chunk<4, 0>(bytes);
-    const int o2 = b & ~3, o1 = b & ~1;  // plane_chunk<2, O> and <1, O> with O known at run time
-    const uint32_t chunk2 = ((bytes & (0x03030303u << o2)) * 0x41041u) >> (o2 + 18);
-    const uint32_t nib = (((bytes & (0x01010101u << o1)) * 0x204081u) >> (o1 + 21)) & 0xFu;
-    const uint32_t pair = nib | (__shfl_xor_sync(0xffffffffu, nib, 1) << 4);  // with the odd lane's
-    if (b & 8) reinterpret_cast<uint32_t*>(base)[lane] = bytes;
-    if (b & 4) reinterpret_cast<uint16_t*>(base + 4 * w4)[lane] = uint16_t(chunk4);
-    if (b & 2) base[4 * w2 + lane] = uint8_t(chunk2);
-    if ((b & 1) && (lane & 1) == 0) base[4 * w1 + (lane >> 1)] = uint8_t(pair);
+    int words = 0;
+    if (b & 8) {
+        reinterpret_cast<uint32_t*>(base)[lane] = bytes;
+        words += 32;
+    }
+    if (b & 4) {
+        reinterpret_cast<uint16_t*>(base + 4 * words)[lane] = uint16_t(plane_chunk<4, 0>(bytes));
+        words += 16;
+    }
+    if (b & 2) {  // plane_chunk<2, O> with O = b & ~3 known at run time
+        const int o = b & ~3;
+        base[4 * words + lane] = uint8_t(((bytes & (0x03030303u << o)) * 0x41041u) >> (o + 18));
+        words += 8;
+    }
+    if (b & 1) {  // plane_chunk<1, O>, O = b & ~1
+        const int o = b & ~1;
+        const uint32_t nib = (((bytes & (0x01010101u << o)) * 0x204081u) >> (o + 21)) & 0xFu;
+        const uint32_t pair = nib | (__shfl_xor_sync(0xffffffffu, nib, 1) << 4);  // with the odd lane's
+        if ((lane & 1) == 0) base[4 * words + (lane >> 1)] = uint8_t(pair);
+    }
 }
 
 // Steps 3-5 on the tile x (levels or float state in, nothing out): X, row scales, column scales, codes.
