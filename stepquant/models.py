@@ -64,18 +64,29 @@ def _prefill_functions() -> list[tuple[str, str, str]]:
     return list(seen.values())
 
 
+def _on_cuda(args, kwargs) -> bool:
+    """Whether a recurrence call's query (first argument) is a CUDA tensor."""
+    query = args[0] if args else kwargs.get("query")
+    return isinstance(query, torch.Tensor) and query.is_cuda
+
+
 def _torch_implementation(fn):
-    """transformers' PyTorch implementation behind a recurrence function (its ``__wrapped__``).
+    """transformers' PyTorch implementation behind a recurrence function (its ``__wrapped__``) for CPU
+    tensors, ``fn`` itself for CUDA tensors.
 
     With fla installed, transformers' GDN/KDA functions call fla's Triton kernels whatever the device,
     which fail on CPU tensors ("Pointer argument cannot be accessed from Triton"); the CPU switch below
     calls the PyTorch function instead, with the keyword arguments it takes (as transformers' wrapper does).
+    The choice is made per call, so a CPU model and a CUDA model work side by side in one process (the
+    switches are process-wide: the lm-eval wrapper's GPU test compares the two).
     """
     torch_fn = getattr(fn, "__wrapped__", fn)
     accepted = inspect.signature(torch_fn).parameters
 
     @functools.wraps(torch_fn)
     def torch_only(*args, **kwargs):
+        if _on_cuda(args, kwargs):
+            return fn(*args, **kwargs)  # the model's kernels (fla's where installed)
         return torch_fn(*args, **{k: v for k, v in kwargs.items() if k in accepted})
 
     return torch_only
@@ -99,7 +110,8 @@ def use_recurrent_prefill(enabled: bool = True) -> None:
     recurrent fallback computes the same function (same FP32 arithmetic order as the decode path)
     and is ~6x faster for KDA on 2 CPU cores (2 x 2048 tokens: 10.8 s vs 64.6 s, same loss). Both
     names are set to the PyTorch implementation even where fla is installed (its kernels do not run on
-    CPU tensors). On GPU keep the model's kernels (enabled=False restores transformers' functions).
+    CPU tensors). Calls on CUDA tensors always reach transformers' functions (fla's kernels), whatever the
+    switch; enabled=False restores transformers' functions.
     """
     for module_name, chunk_name, recurrent_name in _prefill_functions():
         module = importlib.import_module(module_name)
@@ -122,8 +134,13 @@ def use_recurrent_prefill(enabled: bool = True) -> None:
             output_final_state=False,
             use_qk_l2norm_in_kernel=False,
             _recurrent=recurrent,
+            _chunk=originals[chunk_name],
             **kwargs,
         ):
+            if _on_cuda((query,), {}):  # the model's chunk kernel (fla's where installed)
+                return _chunk(query, key, value, g=g, beta=beta, chunk_size=chunk_size,
+                              initial_state=initial_state, output_final_state=output_final_state,
+                              use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, **kwargs)
             kwargs.pop("cu_seqlens", None)
             return _recurrent(
                 query,
@@ -152,7 +169,7 @@ def load(
     device_map (e.g. "auto") spreads a large checkpoint over several GPUs with accelerate;
     the recurrence itself is always computed in FP32 by stepquant. recurrent_prefill (default:
     on when the model runs on CPU) switches transformers' multi-token path to its token-by-token
-    function, see use_recurrent_prefill.
+    function, see use_recurrent_prefill (for CPU tensors only: CUDA calls keep the model's kernels).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -173,8 +190,8 @@ def load(
         use_recurrent_prefill(True)
     elif on_cpu:
         use_torch_recurrences()  # fla's kernels, where installed, fail on CPU tensors
-    else:
-        use_recurrent_prefill(False)  # transformers' own functions (fla's kernels when installed)
+    # on GPU nothing to switch: CUDA calls reach transformers' functions (fla's kernels) through any
+    # switch, and a CPU model loaded before in this process keeps its PyTorch functions
     return lm, tokenizer
 
 

@@ -127,6 +127,11 @@ def test_cpu_models_run_where_fla_would_be_called(shipped, switch, monkeypatch):
     with torch.no_grad():
         got = model(input_ids=x).logits
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    # calls on CUDA tensors still reach transformers' functions (fla's kernels): a CUDA model loaded in
+    # the same process keeps them (here every tensor is taken for a CUDA one, so fla_like is reached)
+    monkeypatch.setattr(models, "_on_cuda", lambda args, kwargs: True)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="cannot be accessed from Triton"):
+        model(input_ids=x)
 
 
 def test_user_text_errors_name_the_file_and_line(tmp_path):
