@@ -132,7 +132,7 @@ def run_tasks(args) -> int:
                 else None
             entry["methods"][method.name] = {
                 "label": method.label, "seconds": round(time.perf_counter() - method_started, 1),
-                "tasks": method_results(output, reference)}
+                "cache": lm.cache_kind, "tasks": method_results(output, reference)}
             entry["seconds"] = round(time.perf_counter() - started, 1)
             write_outputs(record, out, plots=not args.no_plots)
     paths = write_outputs(record, out, plots=not args.no_plots)
