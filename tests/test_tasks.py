@@ -144,6 +144,7 @@ def test_stepquant_tasks_writes_the_table(tmp_path):
     record = json.loads((out / "tasks.json").read_text())
     methods = record["models"]["gdn"]["methods"]
     assert list(methods) == ["fp32", "int4"]
+    assert [m["cache"] for m in methods.values()] == ["compressed", "compressed"]  # the state's cache
     acc = methods["int4"]["tasks"]["stepquant_cloze"]["acc,none"]
     assert acc["n"] == 3 and "diff" in acc
     assert "diff" not in methods["fp32"]["tasks"]["stepquant_cloze"]["acc,none"]
