@@ -7,7 +7,8 @@ and the instructions per value of the whole body and of each stretch between bar
 are fully unrolled, so static counts are the dynamic ones up to the per-CTA setup; out-of-line slow
 paths after the last EXIT are left out; a body of one unclipped width also holds the clamped copy of its
 code pass that runs only when a column scale saturates, counted here though it almost never runs: the
-stretch after the column maxima' barrier then appears twice). Needs nvcc; uses the cuobjdump of Triton's wheel.
+stretch after the column maxima' barrier then appears twice). Needs nvcc; uses the cuobjdump of Triton's
+wheel.
 
     python benchmarks/sass_cuda.py                            # 6-bit GDN body, reciprocal quantizer, fused
     python benchmarks/sass_cuda.py --kind 0 --kda --part readout
