@@ -37,6 +37,7 @@ import torch
 
 try:
     from lm_eval.api.instance import Instance
+    from test_tasks import check_generate_until_stops  # the same check as on the CPU
 
     from stepquant.tasks.harness import StepquantLM
     from stepquant.tasks.lm_eval_tasks.utils import DATA
@@ -175,18 +176,8 @@ def test_c_greedy_generation_on_cuda_matches_the_cpu(lms):
 
 def test_c_generate_until_on_cuda_stops_at_the_stop_strings(lms):
     lm = lms[f"cuda {PLAN}"]
-    prompt = "The history of the city began in the early nineteenth century, when"
-    free = lm.generate_until([Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 24}), 0)],
-                             disable_tqdm=True)[0]
-    words = free.split()
-    assert len(lm.tok_encode(free)) >= 20  # ran to the cap (no EOS in 24 tokens)
-    stop = " " + words[len(words) // 2]
-    requests = [Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 24}), 0),
-                Instance("generate_until", {}, (prompt, {"until": ["\n\n"], "max_gen_toks": 5}), 1)]
-    stopped, capped = lm.generate_until(requests, disable_tqdm=True)
+    free, stop, stopped, capped = check_generate_until_stops(lm)
     print(f"{lm.model_name} {PLAN} on cuda: {free!r}; stop {stop!r}: {stopped!r}; 5 tokens: {capped!r}")
-    assert stopped == free.split(stop)[0] and stop not in stopped
-    assert free.startswith(capped) and len(lm.tok_encode(capped)) <= 5
 
 
 def test_d_stepquant_tasks_on_cuda_writes_the_table(tmp_path):

@@ -78,18 +78,25 @@ def test_a_compressed_method_changes_the_scores_where_it_reads_the_state(fp32_lm
     assert abs(tail_read - fp32_lm._loglikelihood_tokens(one_token)[0][0]) > 1e-4
 
 
-def test_generate_until_stops_at_the_stop_strings(fp32_lm):
+def check_generate_until_stops(lm) -> tuple[str, str, str, str]:
+    """generate_until stops at a stop string taken from its own free continuation, and at max_gen_toks;
+    returns (free text, stop, stopped text, capped text). Also used by tests/test_gpu_tasks.py on CUDA."""
     prompt = "The history of the city began in the early nineteenth century, when"
     request = Instance("generate_until", {}, (prompt, {"until": [], "max_gen_toks": 24}), 0)
-    free = fp32_lm.generate_until([request], disable_tqdm=True)[0]
+    free = lm.generate_until([request], disable_tqdm=True)[0]
     words = free.split()
-    assert len(fp32_lm.tok_encode(free)) >= 20  # ran to the cap (no EOS in 24 tokens)
+    assert len(lm.tok_encode(free)) >= 20  # ran to the cap (no EOS in 24 tokens)
     stop = " " + words[len(words) // 2]
     requests = [Instance("generate_until", {}, (prompt, {"until": [stop], "max_gen_toks": 24}), 0),
                 Instance("generate_until", {}, (prompt, {"until": ["\n\n"], "max_gen_toks": 5}), 1)]
-    stopped, capped = fp32_lm.generate_until(requests, disable_tqdm=True)
+    stopped, capped = lm.generate_until(requests, disable_tqdm=True)
     assert stopped == free.split(stop)[0] and stop not in stopped
-    assert free.startswith(capped) and len(fp32_lm.tok_encode(capped)) <= 5
+    assert free.startswith(capped) and len(lm.tok_encode(capped)) <= 5
+    return free, stop, stopped, capped
+
+
+def test_generate_until_stops_at_the_stop_strings(fp32_lm):
+    check_generate_until_stops(fp32_lm)
 
 
 def test_bad_methods_plans_caches_and_tasks_are_named(tmp_path):
