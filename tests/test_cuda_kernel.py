@@ -81,7 +81,7 @@ def test_pack_matches_codec(shape, config):
     x = torch.randn(2, kernel.num_heads, kernel.key_dim, 128, generator=torch.Generator().manual_seed(3))
     x[0, 0, 1] = 0.0  # an all-zero row: its scales clamp to 2^-14
     x[1, 0, 2, 5] = 1e6  # an outlier
-    x[1, 0] *= 1e14  # column maxima past FP16's 65504: saturated scales, codes clamped to the grid
+    x[0, 0] *= 1e14  # column maxima past FP16's 65504: saturated scales, codes clamped to the grid
     debug = {}
     cuda.pack(kernel.tables, kernel.pages, slots, x, debug=debug)
     naive_pack_states(ref, slots, x)

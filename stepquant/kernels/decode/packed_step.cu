@@ -559,6 +559,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     // stay on the grid: |Y_ij| gain <= c_j (1 + 2^-11) (c_j is max_i |Y_ij| gain rounded to nearest FP16), so
     // |t| <= qmax_b + 2^-11 qmax_b < qmax_b + 1/2, unless a column's maximum passed 65504 and its scale
     // saturated there (SATURATED: an |X| of ~1e11 and more): then they are clamped as every other code.
+    constexpr bool MAY_SKIP_CLAMP = KIND && SQ_DUAL && !((SQ_CLIPPED >> KIND) & 1);  // first codes unclamped
     auto code_pass = [&]<bool FIRST, bool LAST, bool SATURATED>() {
         float num[COLS] = {0.f, 0.f, 0.f, 0.f}, den[COLS] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
@@ -571,7 +572,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                 // heads of one width: its grid constants are known when compiled, and the first codes of a
                 // width whose clip_b is 1 cannot leave the grid (above); mixed rows clamp always
                 const Width wd = width_of(KIND ? KIND : (sm.rinfo[i] & 31));
-                constexpr bool CLAMP = SATURATED || !(KIND && FIRST && SQ_DUAL && !((SQ_CLIPPED >> KIND) & 1));
+                constexpr bool CLAMP = SATURATED || !(FIRST && MAY_SKIP_CLAMP);
                 uint32_t code[COLS];
 #pragma unroll
                 for (int c = 0; c < COLS; ++c) {
@@ -620,7 +621,6 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
         }
     };
     constexpr bool ONE_PASS = SQ_REFITS <= 1 || !SQ_DUAL;
-    constexpr bool MAY_SKIP_CLAMP = KIND && SQ_DUAL && !((SQ_CLIPPED >> KIND) & 1);  // first codes unclamped
     if (MAY_SKIP_CLAMP && saturated) {
         code_pass.template operator()<true, ONE_PASS, true>();
     } else {
