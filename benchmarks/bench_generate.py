@@ -16,9 +16,24 @@ steps through ``model(input_ids, past_key_values=cache)`` with each state format
                  like calibrated plans, not calibrated): readout + fitting + packed writeback in one kernel
     sq6-split    PackedStateCache(split=True): readout on the model's stream, writeback on a side stream
 
-Each step is timed with CUDA events (after --warmup steps); the host time to issue a step is timed beside it,
-and one profiled step per format at the largest batch splits the GPU time by kernel family (GEMMs = weights,
-the recurrent-state kernels, attention, elementwise) and gives the GPU-busy fraction (1 - launch overhead).
+Steps: the eager loop issues a few kernels per layer from Python (and transformers' PyTorch causal-conv
+fallback), so at these batches the host, not the state format, sets the step time. On a CUDA device each run
+therefore captures ONE decode step (the forward of B tokens + argmax written into the next step's input ids)
+in a CUDA graph and replays it (stepquant.integrations.static_decode.GraphDecodeStep, after --warmup eager
+steps on a side stream; --no-cuda-graph turns it off). A graph needs static shapes: the attention layers'
+KV is preallocated for the run's tokens (static_decode.use_static_attention, transformers' StaticLayer:
+index_copy_ at a device-side position counter that also gives the model its positions and the mask its
+offset; --kv dynamic keeps DynamicCache's torch.cat, eager only); the linear-attention layers keep their
+format's cache. fp32-assign rebinds its state tensor every step, which a graph cannot replay: it runs
+eagerly (graph_skipped in its rows). At --eager-batches (default 512) every format is also timed with the
+eager loop on the same static KV, so graph and eager rows sit side by side (markdown: "CUDA graph vs the
+eager loop"). A graph that fails to capture falls back to the eager loop (graph_error in the row).
+
+Each step is timed with CUDA events (after the warm-up: --warmup eager steps, or a graph's first replay);
+the host time to issue a step is timed beside it (a graph: one replay call), and one profiled step per
+format and step kind at the largest batch splits the GPU time by kernel family (GEMMs = weights, the
+recurrent-state kernels, attention, elementwise) and gives the GPU-busy fraction (1 - launch overhead).
+Each row records "step" ("graph" or "eager") and "kv".
 
 Capacity: for each preset at full depth, in the GPU's whole memory: a placeholder of the model's BF16 weight
 bytes, then the largest batch whose (--slots-per-request x B + 1) state slots (recurrent state in each format
@@ -26,7 +41,7 @@ bytes, then the largest batch whose (--slots-per-request x B + 1) state slots (r
 next to stepquant.accounting.max_batch (what ``stepquant memory --budget-gib`` prints) for the same budget.
 
     python benchmarks/bench_generate.py --out benchmarks/results      # H200, about 4 minutes
-    python benchmarks/bench_generate.py --dry-run                     # CPU: tiny shapes, every code path
+    python benchmarks/bench_generate.py --dry-run                     # CPU: tiny shapes, static KV, eager
     python benchmarks/bench_generate.py --plot-only benchmarks/results/bench_generate.json
 
 Writes bench_generate.json after every run (a timeout leaves the runs done so far), bench_generate.md and
@@ -88,7 +103,17 @@ def state_shape(model):
     return shape_from_config(model.config.to_dict())
 
 
-def make_cache(fmt: str, model, batch: int, device: torch.device, quantizer: DualAxisConfig, seed: int = 0):
+def make_cache(fmt: str, model, batch: int, device: torch.device, quantizer: DualAxisConfig, seed: int = 0,
+               max_cache_len: int | None = None):
+    """The format's cache; with max_cache_len its attention KV is static (static_decode.use_static_attention:
+    preallocated, written in place; what a CUDA graph needs), else transformers' growing DynamicLayer."""
+    from stepquant.integrations.static_decode import use_static_attention
+
+    cache = _format_cache(fmt, model, batch, device, quantizer, seed)
+    return cache if max_cache_len is None else use_static_attention(cache, max_cache_len)
+
+
+def _format_cache(fmt: str, model, batch: int, device: torch.device, quantizer: DualAxisConfig, seed: int):
     from transformers import DynamicCache
 
     from stepquant.integrations.float_cache import FloatStateCache
@@ -159,36 +184,100 @@ def forward(model, ids, cache):
     return model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
-def decode_run(model, fmt: str, batch: int, args, device) -> dict:
-    shape = state_shape(model)
-    vocab = model.config.vocab_size
+def positions_needed(args) -> int:
+    """Tokens one decode run gives a request's cache: prompt, warm-up and timed steps, the graph's untimed
+    first replay and the profiled steps (one warm), with room to spare; the static KV's length (a step past
+    it would index out of range on the device)."""
+    return args.prompt + args.warmup + 1 + args.new_tokens + 1 + args.profile_steps + 8
+
+
+class Stepper:
+    """One greedy decode step at a time, eager or replayed from a CUDA graph (GraphDecodeStep), counting the
+    tokens given to the cache against its static length."""
+
+    def __init__(self, model, cache, token, graph: bool, warmup: int, capacity: int | None, used: int):
+        from stepquant.integrations.static_decode import GraphDecodeStep
+
+        self.model, self.cache, self.capacity, self.used = model, cache, capacity, used
+        self.token, self.last_logits = token, None
+        self.graph = None
+        if graph:
+            self._count(warmup)  # the eager warm-up steps; the capture itself runs nothing
+            self.graph = GraphDecodeStep(lambda ids: forward(model, ids, cache), token, cache, warmup=warmup)
+
+    def _count(self, steps: int) -> None:
+        self.used += steps
+        if self.capacity is not None and self.used > self.capacity:
+            raise RuntimeError(f"the static KV holds {self.capacity} tokens; this run needs more "
+                               "(positions_needed)")
+
+    def __call__(self) -> torch.Tensor:
+        """One step; the next tokens [B] (a graph's output buffer: clone to keep it past the next step)."""
+        self._count(1)
+        if self.graph is not None:
+            self.token = self.graph.step()
+            self.last_logits = self.graph.logits
+        else:
+            self.last_logits = forward(self.model, self.token[:, None], self.cache)  # [B, vocab]
+            self.token = self.last_logits.argmax(-1)
+        return self.token
+
+
+def prefill(model, fmt: str, batch: int, args, device, static_kv: bool):
+    """A fresh cache of the format with a prompt of B x --prompt tokens prefilled: (cache, last tokens [B],
+    prefill seconds, the cache's static length or None)."""
     gen = torch.Generator().manual_seed(batch)
-    prompt = torch.randint(3, vocab, (batch, args.prompt), generator=gen).to(device)
+    prompt = torch.randint(3, model.config.vocab_size, (batch, args.prompt), generator=gen).to(device)
+    capacity = positions_needed(args) if static_kv else None
+    cache = make_cache(fmt, model, batch, device, QUANTIZERS[args.quantizer], max_cache_len=capacity)
+    sync(device)
+    t0 = time.perf_counter()
+    token = forward(model, prompt, cache).argmax(-1)  # [B]
+    sync(device)
+    return cache, token, time.perf_counter() - t0, capacity
+
+
+def graph_skip_reason(fmt: str, args, device) -> str | None:
+    """Why a run of this format is eager although CUDA graphs were asked for, or None."""
+    if device.type != "cuda":
+        return "no CUDA device"
+    if args.kv == "dynamic":
+        return "--kv dynamic: the attention KV grows by torch.cat every step"
+    if fmt == "fp32-assign":
+        return "fp32-assign rebinds the state tensor every step (static_decode.graph_safe)"
+    return None
+
+
+def decode_run(model, fmt: str, batch: int, args, device, graph: bool) -> dict:
+    shape = state_shape(model)
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    cache = make_cache(fmt, model, batch, device, QUANTIZERS[args.quantizer])
-    tokens = []
+    skip = graph_skip_reason(fmt, args, device) if graph else None
+    graph = graph and skip is None
     with torch.inference_mode():
-        sync(device)
+        cache, token, prefill_s, capacity = prefill(model, fmt, batch, args, device, args.kv == "static")
         t0 = time.perf_counter()
-        token = forward(model, prompt, cache).argmax(-1)  # [B]
+        stepper = Stepper(model, cache, token, graph, args.warmup, capacity, used=args.prompt)
         sync(device)
-        prefill_s = time.perf_counter() - t0
+        capture_s = time.perf_counter() - t0
         timer = StepTimer(device)
-        for _ in range(args.warmup + args.new_tokens):
+        for _ in range((1 if graph else args.warmup) + args.new_tokens):  # a graph's first replay: untimed
             timer.start()
-            token = forward(model, token[:, None], cache).argmax(-1)
+            stepper()
             timer.stop()
-            tokens.append(token)
-        gpu = timer.gpu_ms()[args.warmup :]
-        host = [h * 1e3 for h in timer.host[args.warmup :]]
+        warm = 1 if graph else args.warmup
+        gpu = timer.gpu_ms()[warm:]
+        host = [h * 1e3 for h in timer.host[warm:]]
+        finite = bool(torch.isfinite(stepper.last_logits).all()) if args.check_finite else None
     gpu_sorted = sorted(gpu)
     median = gpu_sorted[len(gpu) // 2]
     row = {
         "format": fmt,
         "batch": batch,
+        "step": "graph" if graph else "eager",
+        "kv": args.kv,
         "prompt": args.prompt,
         "new_tokens": args.new_tokens,
         "prefill_s": round(prefill_s, 4),
@@ -199,28 +288,27 @@ def decode_run(model, fmt: str, batch: int, args, device) -> dict:
         "tokens_per_s": round(batch * 1e3 / median, 1),
         "state_bytes": state_bytes(fmt, cache, shape, batch),
         "state_bytes_per_request": state_bytes(fmt, cache, shape, batch) // batch,
-        "finite": bool(torch.isfinite(forward_logits_probe(model, token, cache)).all())
-        if args.check_finite
-        else None,
+        "finite": finite,
     }
+    if graph:
+        row["graph_capture_s"] = round(capture_s, 3)  # the eager warm-up steps and the capture
+    if skip is not None:
+        row["graph_skipped"] = skip
+    if capacity is not None:
+        row["static_kv_tokens"] = capacity
     if device.type == "cuda":
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device)
         row["peak_above_weights_bytes"] = row["peak_bytes"] - base
     row["host_bound"] = row["host_issue_ms"] > 0.9 * row["ms_per_step"]
     if args.profile and batch == args.profile_batch:
         try:  # a profiler failure must not lose the timed row
-            row["profile"] = profile_steps(model, cache, token, device, args.profile_steps)
+            row["profile"] = profile_steps(stepper, device, args.profile_steps)
         except Exception as err:
             row["profile_error"] = repr(err)[:300]
             log(traceback.format_exc())
-    del cache
+    del stepper, cache
     gc.collect()
     return row
-
-
-def forward_logits_probe(model, token, cache):
-    with torch.inference_mode():
-        return forward(model, token[:, None], cache)
 
 
 KERNEL_FAMILIES = (  # first match wins; lower-case substrings of kernel names
@@ -236,18 +324,19 @@ KERNEL_FAMILIES = (  # first match wins; lower-case substrings of kernel names
 )
 
 
-def profile_steps(model, cache, token, device, steps: int) -> dict:
-    """GPU time per step by kernel family, and GPU-busy time / step time, from torch.profiler."""
+def profile_steps(stepper: Stepper, device, steps: int) -> dict:
+    """GPU time per step by kernel family, and GPU-busy time / step time, from torch.profiler (the steps as
+    the run took them: eager, or graph replays)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with torch.inference_mode():
-        forward(model, token[:, None], cache)  # warm
+        stepper()  # warm
         sync(device)
         with profile(activities=activities) as prof:
             t0 = time.perf_counter()
             for _ in range(steps):
-                token = forward(model, token[:, None], cache).argmax(-1)
+                stepper()
             sync(device)
             wall_ms = (time.perf_counter() - t0) * 1e3 / steps
     families = {name: 0.0 for name, _ in KERNEL_FAMILIES}
@@ -412,22 +501,58 @@ def largest(fits, hi: int) -> int:
 # ---------------------------------------------------------------- report
 
 
+def step_of(row: dict) -> str:
+    """How a row's steps ran: "graph" (CUDA graph replays) or "eager" (results before graphs: eager)."""
+    return row.get("step", "eager")
+
+
+def primary_runs(result: dict) -> dict:
+    """(preset, format, batch) -> the row that stands for it: the graph row where one ran, else the eager."""
+    runs = {}
+    for r in result["runs"]:
+        key = (r["preset"], r["format"], r["batch"])
+        if "tokens_per_s" in r and (key not in runs or step_of(r) == "graph"):
+            runs[key] = r
+    return runs
+
+
 def targets(result: dict) -> dict:
-    """Issue 13's targets per model: at the largest batch where fp32 and sq6 both ran, sq6's tokens/s over
-    fp32's (and fp32-assign's); the measured capacity of sq6 over fp32 with no context (the pool alone)."""
+    """Issue 13's targets per model: at the largest batch where fp32 and sq6 both ran the same way (graph
+    replays where they could), sq6's tokens/s over fp32's (and fp32-assign's, which runs eagerly only: from
+    the eager rows at that batch where both have one); the measured capacity of sq6 over fp32 with no
+    context (the pool alone)."""
     out = {}
-    runs = {(r["preset"], r["format"], r["batch"]): r for r in result["runs"] if "tokens_per_s" in r}
+    runs = primary_runs(result)
+    eager = {
+        (r["preset"], r["format"], r["batch"]): r
+        for r in result["runs"]
+        if "tokens_per_s" in r and step_of(r) == "eager"
+    }
     for preset in dict.fromkeys(r["preset"] for r in result["runs"]):
-        both = [b for (p, f, b) in runs if p == preset and f == "sq6" and (p, "fp32", b) in runs]
+        both = [
+            b
+            for (p, f, b) in runs
+            if p == preset
+            and f == "sq6"
+            and (p, "fp32", b) in runs
+            and step_of(runs[(p, "fp32", b)]) == step_of(runs[(p, f, b)])
+        ]
         entry = {}
         if both:
             b = max(both)
-            sq6 = runs[(preset, "sq6", b)]["tokens_per_s"]
-            entry = {"batch": b, "sq6_over_fp32": round(sq6 / runs[(preset, "fp32", b)]["tokens_per_s"], 3)}
-            if (preset, "fp32-assign", b) in runs:
-                entry["sq6_over_fp32_assign"] = round(
-                    sq6 / runs[(preset, "fp32-assign", b)]["tokens_per_s"], 3
-                )
+            sq6 = runs[(preset, "sq6", b)]
+            entry = {
+                "batch": b,
+                "step": step_of(sq6),
+                "sq6_over_fp32": round(sq6["tokens_per_s"] / runs[(preset, "fp32", b)]["tokens_per_s"], 3),
+            }
+            for name, table in (("", runs), ("_eager", eager)):
+                pair = table.get((preset, "sq6", b)), table.get((preset, "fp32-assign", b))
+                if all(pair) and step_of(pair[0]) == step_of(pair[1]):
+                    entry[f"sq6_over_fp32_assign{name}"] = round(
+                        pair[0]["tokens_per_s"] / pair[1]["tokens_per_s"], 3
+                    )
+                    break
         out[preset] = entry
     for c in result["capacity"]:
         if c["context_tokens"] == 0 and c["format"] == "sq6":
@@ -453,11 +578,7 @@ def per_billion(result: dict) -> dict:
     for preset, info in result["models"].items():
         billions = info["parameters"] / 1e9
         fp32 = sorted(
-            (
-                r
-                for r in result["runs"]
-                if r["preset"] == preset and r["format"] == "fp32" and "ms_per_step" in r
-            ),
+            (r for (p, f, _), r in primary_runs(result).items() if p == preset and f == "fp32"),
             key=lambda r: r["batch"],
         )
         entry = {
@@ -504,39 +625,71 @@ def markdown(result: dict) -> str:
         "",
         "## Decode (greedy, prompt + new tokens per request; median GPU time per step)",
         "",
-        "| model | format | B | ms/step | tokens/s | vs fp32 | vs fp32-assign | host issue ms | state GiB | "
-        "peak GiB | prefill s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "step: graph = each step replayed from one CUDA graph (static_decode.GraphDecodeStep), eager = "
+        "the Python loop; vs fp32 / fp32-assign: against the row of the same step kind at that batch "
+        "(fp32-assign runs eagerly only).",
+        "",
+        "| model | format | B | step | ms/step | tokens/s | vs fp32 | vs fp32-assign | host issue ms | "
+        "state GiB | peak GiB | prefill s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     runs = [r for r in result["runs"] if "ms_per_step" in r]
-    ref = {(r["preset"], r["batch"], r["format"]): r for r in runs}
+    ref = {(r["preset"], r["batch"], r["format"], step_of(r)): r for r in runs}
     for r in runs:
-        fp32 = ref.get((r["preset"], r["batch"], "fp32"))
-        fp32a = ref.get((r["preset"], r["batch"], "fp32-assign"))
+        fp32 = ref.get((r["preset"], r["batch"], "fp32", step_of(r)))
+        fp32a = ref.get((r["preset"], r["batch"], "fp32-assign", step_of(r)))
         vs = lambda base, r=r: f"{r['tokens_per_s'] / base['tokens_per_s']:.2f}x" if base else "-"  # noqa: E731
         lines.append(
-            f"| {SHORT.get(r['preset'], r['preset'])} | {r['format']} | {r['batch']} | "
+            f"| {SHORT.get(r['preset'], r['preset'])} | {r['format']} | {r['batch']} | {step_of(r)} | "
             f"{r['ms_per_step']:.2f} | {r['tokens_per_s']:,.0f} | {vs(fp32)} | {vs(fp32a)} | "
             f"{r['host_issue_ms']:.2f} | {r['state_bytes'] / GIB:.2f} | "
             f"{r.get('peak_bytes', 0) / GIB:.2f} | {r['prefill_s']:.2f} |"
         )
     skipped = [r for r in result["runs"] if "ms_per_step" not in r]
     for r in skipped:
-        lines.append(f"- not run: {r['preset']} {r['format']} B={r['batch']}: {r.get('skipped', '')}")
+        lines.append(
+            f"- not run: {r['preset']} {r['format']} B={r['batch']} {r.get('step', '')}: "
+            f"{r.get('skipped', '')}"
+        )
+    for r in runs:
+        for key in ("graph_error", "graph_skipped"):
+            if key in r:
+                lines.append(f"- eager: {r['preset']} {r['format']} B={r['batch']}: {r[key]}")
+    pairs = [
+        (r, ref[(r["preset"], r["batch"], r["format"], "eager")])
+        for r in runs
+        if step_of(r) == "graph" and (r["preset"], r["batch"], r["format"], "eager") in ref
+    ]
+    if pairs:
+        lines += [
+            "",
+            "## CUDA graph vs the eager loop (same format, batch and static KV)",
+            "",
+            "| model | format | B | graph ms/step | eager ms/step | graph speed-up | eager host issue ms | "
+            "graph replay host ms |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for g, e in pairs:
+            lines.append(
+                f"| {SHORT.get(g['preset'], g['preset'])} | {g['format']} | {g['batch']} | "
+                f"{g['ms_per_step']:.2f} | {e['ms_per_step']:.2f} | "
+                f"{e['ms_per_step'] / g['ms_per_step']:.2f}x | "
+                f"{e['host_issue_ms']:.2f} | {g['host_issue_ms']:.3f} |"
+            )
     profiles = [r for r in runs if "profile" in r]
     if profiles:
         lines += [
             "",
             "## Where a step's time goes (torch.profiler, one format at the profiled batch)",
             "",
-            "| model | format | B | step ms (profiled) | GPU busy | by kernel family (ms/step) |",
-            "|---|---|---|---|---|---|",
+            "| model | format | B | step | step ms (profiled) | GPU busy | by kernel family (ms/step) |",
+            "|---|---|---|---|---|---|---|",
         ]
         for r in profiles:
             p = r["profile"]
             fam = "; ".join(f"{k} {v:.2f}" for k, v in p["ms_per_step_by_family"].items())
             lines.append(
-                f"| {SHORT.get(r['preset'], r['preset'])} | {r['format']} | {r['batch']} | "
+                f"| {SHORT.get(r['preset'], r['preset'])} | {r['format']} | {r['batch']} | {step_of(r)} | "
                 f"{p['wall_ms_per_step']:.2f} | {p['gpu_busy_fraction']:.0%} | {fam} |"
             )
     if result["capacity"]:
@@ -583,17 +736,21 @@ def plot(result: dict, path: Path) -> bool:
         return False
     fig, axes = plt.subplots(2, len(presets), figsize=(6 * len(presets), 8), squeeze=False)
     for col, preset in enumerate(presets):
+        graphs = any(step_of(r) == "graph" for r in runs)
         for fmt in FORMATS:
-            rows = sorted(
-                (r for r in runs if r["preset"] == preset and r["format"] == fmt), key=lambda r: r["batch"]
-            )
-            if not rows:
-                continue
-            b = [r["batch"] for r in rows]
-            axes[0][col].plot(b, [r["tokens_per_s"] for r in rows], marker="o", label=fmt)
-            axes[1][col].plot(
-                b, [r.get("peak_bytes", r["state_bytes"]) / GIB for r in rows], marker="o", label=fmt
-            )
+            for step in ("graph", "eager"):
+                rows = sorted(
+                    (r for r in runs if r["preset"] == preset and r["format"] == fmt and step_of(r) == step),
+                    key=lambda r: r["batch"],
+                )
+                if not rows:
+                    continue
+                b = [r["batch"] for r in rows]
+                label = f"{fmt} (eager)" if graphs and step == "eager" else fmt
+                style = dict(marker="o", label=label, linestyle="--" if label != fmt else "-")
+                axes[0][col].plot(b, [r["tokens_per_s"] for r in rows], **style)
+                if step == "graph" or not graphs:  # memory: one line per format
+                    axes[1][col].plot(b, [r.get("peak_bytes", r["state_bytes"]) / GIB for r in rows], **style)
         memory = "peak GPU memory (GiB)" if "cpu" not in result["device"] else "state (GiB; peak on a GPU)"
         for row, ylabel in ((0, "decode tokens/s"), (1, memory)):
             ax = axes[row][col]
@@ -613,11 +770,50 @@ def plot(result: dict, path: Path) -> bool:
 
 def run_line(preset: str, row: dict) -> str:
     return (
-        f"{SHORT.get(preset, preset)} {row['format']:<11} B={row['batch']:<4} "
+        f"{SHORT.get(preset, preset)} {row['format']:<11} B={row['batch']:<4} {step_of(row):<5} "
         f"{row['ms_per_step']:8.2f} ms/step "
         f"{row['tokens_per_s']:10,.0f} tok/s  host {row['host_issue_ms']:.2f} ms  state "
         f"{row['state_bytes'] / GIB:.2f} GiB  peak {row.get('peak_bytes', 0) / GIB:.2f} GiB"
     )
+
+
+def decode_plan(batches: list[int], formats: list[str], args, device):
+    """(batch, format, graph) of every decode run in order: per batch and format the graph row (where the
+    format can be replayed) and, at --eager-batches, the eager row beside it; eager rows only without
+    --cuda-graph or a CUDA device."""
+    graphs = args.cuda_graph and device.type == "cuda"
+    eager = set(batches) if args.eager_batches == "all" else (
+        set() if args.eager_batches in ("none", "") else {int(b) for b in args.eager_batches.split(",")}
+    )
+    for batch in batches:
+        for fmt in formats:
+            if not graphs:
+                yield batch, fmt, False
+                continue
+            yield batch, fmt, True
+            if batch in eager and graph_skip_reason(fmt, args, device) is None:  # else the row above is eager
+                yield batch, fmt, False
+
+
+def timed_row(model, fmt: str, batch: int, args, device, graph: bool, graph_failed: dict) -> dict:
+    """decode_run's row, or the reason it has none; a graph that fails falls back to the eager loop (and the
+    format's later rows go eager: graph_failed)."""
+    try:
+        return decode_run(model, fmt, batch, args, device, graph)
+    except torch.cuda.OutOfMemoryError:
+        log(f"{fmt} B={batch}: out of memory")
+        return {"skipped": "out of memory"}
+    except Exception as err:
+        log(traceback.format_exc())
+        if not graph:
+            return {"skipped": f"error: {err!r}"[:300]}
+        graph_failed[fmt] = f"graph failed at B={batch}: {err!r}"[:300]
+    finally:
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    row = timed_row(model, fmt, batch, args, device, False, graph_failed)
+    return {**row, "step": "eager", "graph_error": graph_failed[fmt]}
 
 
 DEFAULT_LAYERS = {"qwen3.8-27b": 16, "kimi-linear-48b-a3b": 8}  # 12 GDN + 4 attention; 6 KDA + 2 MLA
@@ -676,7 +872,27 @@ def main(argv=None) -> int:
         "skipped); of the time left after the capacity section the first of two presets gets 60%%, "
         "the second the rest (a preset that finishes early leaves its time to the next)",
     )
-    parser.add_argument("--check-finite", action="store_true", help="one more forward per run: logits finite")
+    parser.add_argument(
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay each decode step from a CUDA graph (static_decode.GraphDecodeStep; on a CUDA device, "
+        "for every format but fp32-assign); --no-cuda-graph: the eager loop only",
+    )
+    parser.add_argument(
+        "--eager-batches",
+        default="512",
+        help="batches also timed with the eager loop beside the graph rows (comma list, 'all' or 'none'; "
+        "ignored with --no-cuda-graph, where every row is eager)",
+    )
+    parser.add_argument(
+        "--kv",
+        choices=("static", "dynamic"),
+        default="static",
+        help="attention KV: static (preallocated for the run's tokens, written in place; what a graph needs) "
+        "or dynamic (transformers' DynamicLayer, torch.cat every step; eager only)",
+    )
+    parser.add_argument("--check-finite", action="store_true", help="the last step's logits are finite")
     parser.add_argument("--out", default=None, help="directory for bench_generate.{json,md,png}")
     parser.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, every code path")
     parser.add_argument("--plot-only", metavar="JSON", default=None, help="draw the plot of a result file")
@@ -727,6 +943,9 @@ def main(argv=None) -> int:
             "slots_per_request": args.slots_per_request,
             "capacity_context": args.capacity_context,
             "untuned_triton_autotune": UNTUNED_TRITON,
+            "cuda_graph": args.cuda_graph and device.type == "cuda",
+            "eager_batches": args.eager_batches,
+            "kv": args.kv,
         },
         "models": {},
         "runs": [],
@@ -772,27 +991,18 @@ def main(argv=None) -> int:
                 f"{info['weight_bytes'] / GIB:.2f} GiB in {info['build_s']} s"
             )
             save()
-            for batch in batches:
-                for fmt in formats:
-                    row = {"preset": preset, "format": fmt, "batch": batch}
-                    if time.time() > deadline:
-                        row["skipped"] = "time limit"
-                    else:
-                        try:
-                            row.update(decode_run(model, fmt, batch, args, device))
-                            log(run_line(preset, row))
-                        except torch.cuda.OutOfMemoryError:
-                            row["skipped"] = "out of memory"
-                            log(f"{preset} {fmt} B={batch}: out of memory")
-                        except Exception as err:
-                            row["skipped"] = f"error: {err!r}"[:300]
-                            log(traceback.format_exc())
-                        finally:
-                            gc.collect()
-                            if device.type == "cuda":
-                                torch.cuda.empty_cache()
-                    result["runs"].append(row)
-                    save()
+            graph_failed: dict[str, str] = {}  # format -> why its graph failed: later rows eager
+            for batch, fmt, graph in decode_plan(batches, formats, args, device):
+                graph = graph and fmt not in graph_failed
+                row = {"preset": preset, "format": fmt, "batch": batch, "step": "graph" if graph else "eager"}
+                if time.time() > deadline:
+                    row["skipped"] = "time limit"
+                else:
+                    row.update(timed_row(model, fmt, batch, args, device, graph, graph_failed))
+                    if "ms_per_step" in row:
+                        log(run_line(preset, row))
+                result["runs"].append(row)
+                save()
             del model
             gc.collect()
             if device.type == "cuda":
@@ -804,8 +1014,10 @@ def main(argv=None) -> int:
         if plot(result, out / "bench_generate.png"):
             log(f"plot: {out / 'bench_generate.png'}")
     save()
-    summary = {
-        r["preset"] + "/" + r["format"] + "/" + str(r["batch"]): r["tokens_per_s"]
+    primary = primary_runs(result)
+    summary = {  # preset/format/batch: the graph row where one ran; an eager row beside it: .../eager
+        "/".join(map(str, (r["preset"], r["format"], r["batch"])))
+        + ("" if primary[(r["preset"], r["format"], r["batch"])] is r else "/eager"): r["tokens_per_s"]
         for r in result["runs"]
         if "tokens_per_s" in r
     }

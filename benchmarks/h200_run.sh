@@ -6,7 +6,8 @@
 # and results in $OUT (default benchmarks/results): env.txt, build_cuda.log, gpu_tests.log, bench.log,
 # bench_decode.json, bench_decode.md, ncu.txt (NO_NCU=1 skips; NO_BENCH=1 stops after the kernel tests;
 # NO_TRITON_TESTS=1 skips the last step). About 10 minutes in all. After the serving tests, the whole-model
-# step (issue 13): the calibrate / eval CUDA-vs-CPU test (tests/test_gpu_cli.py, gpu_cli_tests.log) and
+# step (issue 13): the calibrate / eval CUDA-vs-CPU test (tests/test_gpu_cli.py, gpu_cli_tests.log), the
+# CUDA-graph decode test (tests/test_gpu_generate.py, gpu_generate_tests.log) and
 # benchmarks/bench_generate.py (greedy decode of production-shape random-weight models per state format,
 # capacity by allocation vs the model): generate.log, bench_generate.{json,md,png}; NO_GENERATE=1 skips it,
 # GENERATE_TIME_LIMIT (its --time-limit: 170 s, or 440 s with ONLY_GENERATE) bounds it, GENERATE_ARGS passes
@@ -59,6 +60,8 @@ cat "$OUT/env.txt"
 
 generate_step() {  # the whole-model step: calibrate/eval on CUDA vs CPU, then bench_generate.py
     gpu_tests tests/test_gpu_cli.py "${CLI_TEST_TIMEOUT:-120}" gpu_cli_tests.log
+    # the CUDA-graph decode bench_generate.py replays: graph steps = eager steps, per family and format
+    gpu_tests tests/test_gpu_generate.py "${GENERATE_TEST_TIMEOUT:-240}" gpu_generate_tests.log
     echo "== whole-model decode and capacity (benchmarks/bench_generate.py)"
     # alone (ONLY_GENERATE=1) the step has the call's time for the whole sweep B = 512..32 (about 230 s on the
     # H200); after the kernel tests and the benchmark it keeps to 210 s (the decode runs past the limit are skipped)
