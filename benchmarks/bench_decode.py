@@ -8,8 +8,9 @@ What is timed, per model shape and batch B (K = V = 128):
   broadcast over K, which is the same math) on an FP32 and on a BF16 slot pool.
 - ours, at 4, 6 and 8 bits with plans shaped like shipped ones (GDN: head widths around b plus ~1.4% FP16
   pivot heads; KDA: mixed row widths plus 0.625% FP16 pivot rows): the CUDA kernel (packed_step.cu) with
-  the reciprocal quantizer and one refit and with the committed plans' quantizer (exact division, two
-  refits); the paper's split (readout alone = the latency on the token's critical path; writeback alone);
+  the reciprocal quantizer and one refit and with the first quantizer (exact division, two refits: the
+  shipped baseline plans', and the STEPQuant plans' until issue 12); the paper's split (readout alone =
+  the latency on the token's critical path; writeback alone);
   the Triton kernel (fused.py); uniform rowwise absmax INT-b (the paper's baseline).
 - at batches up to --graph-below, the fused steps and fla's kernel also replayed from a CUDA graph
   ("[graph]" rows): the GPU time without Python's launch overhead, as a captured serving step runs.
@@ -93,7 +94,7 @@ def synthetic_plan(model: str, bits: int, heads: int, seed: int = 0) -> torch.Te
 
 # the fused steps the JSON line reports (the tuning variants stay in the tables)
 HEADLINE_VARIANTS = ("cuda fused (reciprocal, 1 refit)", "cuda fused (exact, 2 refits)")
-# the quantizers timed: the committed plans' (exact division, two refits) and the kernel's contract
+# the quantizers timed: the first one (exact division, two refits) and the kernel's contract
 EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)
 RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
 RECIPROCAL_0 = DualAxisConfig(division="reciprocal", refit_iters=0)  # no refit: the c init is kept

@@ -26,7 +26,7 @@ from stepquant.kernels.tables import FormatTables  # noqa: E402
 
 RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
 RECIPROCAL_0 = DualAxisConfig(division="reciprocal", refit_iters=0)  # the kernel's contract without a refit
-EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)  # the committed plans' quantizer
+EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)  # the first quantizer (spatial-* plans)
 PACK_EXACT = DualAxisConfig(refit_iters=0, row_stat="absmax")  # test_cuda_kernel's exact pack check
 
 # (spatial, quantizer, part, kda, debug)

@@ -8,7 +8,8 @@
 #   1. install .whl/*.whl and .whl/lm_eval/*.whl into /tmp/site, unpack .whl/*.tgz there (as h200_run.sh);
 #   2. env.txt: versions, whether lm_eval imports, every requirement of lm-eval installed in a satisfying
 #      version (benchmarks/lm_eval_deps.py installed), then the nvcc builds of the CUDA decode / pack
-#      libraries the shipped plans use (6 configurations, in parallel: ~40 s instead of ~3 min one by one);
+#      libraries the shipped plans use (12 configurations since the STEPQuant plans run r0 / r1, 6 before;
+#      in parallel: ~40 s for the 6 instead of ~3 min one by one);
 #   3. gpu_tasks_tests.log: pytest -m gpu tests/test_gpu_tasks.py (TESTS_TIMEOUT, default 200 s);
 #   4. tasks.log and tasks/ (tasks.json, tasks.md, tasks_gdn.png, tasks_kda.png): `stepquant tasks --model
 #      gdn,kda --device cuda` with the 18 default methods, TASKS_LIMIT documents per task (default 300: all

@@ -1,13 +1,15 @@
 """Does the CUDA kernel's quantizer cost quality? Paired excess NLL of shipped plans per quantizer version.
 
-The CUDA decode kernel is fastest with ``division="reciprocal"`` and one refit (docs/kernels.md); the
-shipped plans record the first quantizer (exact division, two refits). This study takes each shipped
-STEPQuant and spatial-only plan, writes it again with only its quantizer changed (same bits, same w):
-"-r1" reciprocal with one refit, "-r2" reciprocal with two refits, "-r0" reciprocal without a refit (the
-column scales stay the clamped column maxima: 22% fewer kernel instructions per value than r1), and
-evaluates the original and the versions in one ``stepquant eval --quick`` run per model (same streams,
-same batch), then reports each version's excess NLL and its paired difference to the original over the
-eval's blocks (mean and standard error of the per-block differences).
+The CUDA decode kernel is fastest with ``division="reciprocal"`` and one refit or none (docs/kernels.md);
+the shipped plans were calibrated with the first quantizer (exact division, two refits). This study takes
+each shipped STEPQuant and spatial-only plan under the quantizer it was calibrated with (the original: its
+quantizer block, or for the STEPQuant plans, which run r0 / r1 since issue 12, the calibration block's
+"requantized" "from", studies/requantize_plans.py), writes it again with only its quantizer changed (same
+bits, same w): "-r1" reciprocal with one refit, "-r2" reciprocal with two refits, "-r0" reciprocal without
+a refit (the column scales stay the clamped column maxima: 22% fewer kernel instructions per value than
+r1), and evaluates the original and the versions in one ``stepquant eval --quick`` run per model (same
+streams, same batch), then reports each version's excess NLL and its paired difference to the original
+over the eval's blocks (mean and standard error of the per-block differences).
 
     python -m studies.quantizer_check --model gdn --out runs/quantizer_check      # ~40 min on 2 cores
     python -m studies.quantizer_check --model kda --plans stepquant-6,stepquant-4 --versions r0 --out DIR
@@ -27,6 +29,7 @@ from pathlib import Path
 
 from stepquant import assets
 from stepquant.calibrate.plan import Plan
+from stepquant.calibrate.quantizer import quantizer_from_json
 from stepquant.eval.report import paired_difference
 
 BASE_PLANS = ("stepquant-6", "stepquant-4", "spatial-6", "spatial-4")
@@ -35,11 +38,21 @@ VERSIONS = {"r0": dict(division="reciprocal", refit_iters=0),
             "r2": dict(division="reciprocal", refit_iters=2)}
 
 
+def calibrated(plan: Plan) -> Plan:
+    """The plan under the quantizer it was calibrated with (before a studies/requantize_plans.py rewrite)."""
+    original = plan.calibration.get("requantized", {}).get("from")
+    if original is None:
+        return plan
+    calibration = {k: v for k, v in plan.calibration.items() if k != "requantized"}
+    return dataclasses.replace(plan, quantizer=quantizer_from_json(original), calibration=calibration)
+
+
 def write_versions(model: str, out: Path, plans=BASE_PLANS, versions=("r1", "r2")) -> list[Path]:
-    """The quantizer versions of the named shipped plans of ``model`` under out/model/plans, in eval order."""
-    paths = []
-    for name in plans:
-        plan = Plan.load(assets.PLANS / model / name)
+    """The originals, then the quantizer versions, of the named shipped plans of ``model`` under
+    out/model/plans, in eval order."""
+    originals = [calibrated(Plan.load(assets.PLANS / model / name)) for name in plans]
+    paths = [plan.save(out / model / "plans" / name) for name, plan in zip(plans, originals, strict=True)]
+    for name, plan in zip(plans, originals, strict=True):
         for tag in versions:
             fields = VERSIONS[tag]
             path = out / model / "plans" / f"{name}-{tag}"
@@ -50,8 +63,8 @@ def write_versions(model: str, out: Path, plans=BASE_PLANS, versions=("r1", "r2"
 
 def run_eval(model: str, out: Path, plans=BASE_PLANS, versions=("r1", "r2")) -> None:
     paths = write_versions(model, out, plans, versions)
-    command = [sys.executable, "-m", "stepquant.cli", "eval", "--models", model, "--methods",
-               ",".join(("fp32", *plans)), *[a for p in paths for a in ("--plan", str(p))], "--quick",
+    command = [sys.executable, "-m", "stepquant.cli", "eval", "--models", model, "--methods", "fp32",
+               *[a for p in paths for a in ("--plan", str(p))], "--quick",
                "--out", str(out / model / "eval"), "--no-plots"]
     print(" ".join(command), flush=True)
     subprocess.run(command, check=True)
@@ -73,7 +86,7 @@ def table(out: Path) -> dict:
                     continue
                 record = methods[key]
                 paired = paired_difference(record, methods[name])
-                rows.append(dict(plan=name, version=version or "exact/2 (shipped)",
+                rows.append(dict(plan=name, version=version or "exact/2 (as calibrated)",
                                  excess_nll=record["excess_nll"]["all"]["mean"],
                                  stderr=record["excess_nll"]["stderr"],
                                  paired_diff=paired["diff"], paired_se=paired["se"], blocks=paired["blocks"]))
@@ -86,10 +99,10 @@ def markdown(result: dict) -> str:
              "`python -m studies.quantizer_check --model M --out DIR` (stepquant eval --quick: P = 512, "
              "D = 1024, 3 streams; the same bits and w, only the quantizer changed). r0: reciprocal "
              "division, no refit; r1: reciprocal, one refit (the CUDA kernel's fast path); r2: reciprocal, "
-             "two refits. Differences to "
-             "the shipped plan are paired over the eval's blocks (nats/token, mean +- standard error).", ""]
+             "two refits. Differences to the plan as calibrated (exact/2) are paired over the eval's blocks "
+             "(nats/token, mean +- standard error).", ""]
     for model, rows in result.items():
-        lines += [f"## {model}", "", "| plan | quantizer | excess NLL | difference to shipped | in SE |",
+        lines += [f"## {model}", "", "| plan | quantizer | excess NLL | difference to exact/2 | in SE |",
                   "|---|---|---|---|---|"]
         for r in rows:
             shipped = r["version"].startswith("exact")

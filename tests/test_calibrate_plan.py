@@ -234,7 +234,7 @@ def test_version_1_plans_load_with_the_v1_quantizer_and_migrate_to_the_same_code
     from stepquant.calibrate.quantizer import V1_QUANTIZER
     from studies.migrate_plans import migrate
 
-    shipped = assets.PLANS / "kda" / "stepquant-4"
+    shipped = assets.PLANS / "kda" / "spatial-4"  # a plan still on the quantizer it was calibrated with
     assert json.loads((shipped / PLAN_JSON).read_text())["format_version"] == 2  # migrated
     old = as_version_1(shipped, tmp_path / "v1")
     v1 = Plan.load(old)
@@ -248,6 +248,47 @@ def test_version_1_plans_load_with_the_v1_quantizer_and_migrate_to_the_same_code
     states = torch.randn(2, v1.num_heads, v1.key_dim, v1.value_dim, generator=gen)
     for i in range(len(v1.linear_layers)):
         assert torch.equal(migrated.codec(i).roundtrip(states), v1.codec(i).roundtrip(states))
+
+
+SHIPPED_QUANTIZERS = {"stepquant-6": ("reciprocal", 0), "stepquant-4": ("reciprocal", 1)}
+
+
+@pytest.mark.parametrize("model", ["gdn", "kda"])
+@pytest.mark.parametrize("name", sorted(SHIPPED_QUANTIZERS))
+def test_shipped_stepquant_plans_run_the_kernel_quantizer_with_their_calibrated_bits(tmp_path, model, name):
+    from stepquant.calibrate.quantizer import V1_QUANTIZER
+    from studies.quantizer_check import calibrated
+    from studies.requantize_plans import requantize
+
+    # issue 12: the shipped STEPQuant plans run the CUDA kernel's fast quantizer with the bits and w they
+    # were calibrated with (studies/requantize_plans.py); the calibration block records what was changed
+    shipped = Plan.load(assets.PLANS / model / name, model_config=model)
+    division, refits = SHIPPED_QUANTIZERS[name]
+    assert (shipped.quantizer.division, shipped.quantizer.refit_iters) == (division, refits)
+    assert shipped.codec(0).config == shipped.quantizer
+    original = calibrated(shipped)  # the plan as calibrated: the first quantizer, exact/2
+    assert original.quantizer == V1_QUANTIZER and "requantized" not in original.calibration
+    assert original.accounting() == shipped.accounting()  # the quantizer moves no byte
+    # the rewrite reproduces the shipped plan from the calibrated one (only the path in its command differs)
+    directory = tmp_path / name  # plan.json of the plan as calibrated, beside the committed arrays
+    directory.mkdir()
+    arrays = (assets.PLANS / model / name / PLAN_ARRAYS).read_bytes()
+    (directory / PLAN_ARRAYS).write_bytes(arrays)
+    original.write_json(directory, arrays)
+    assert requantize(directory, division, refits) == "requantized"
+    assert requantize(directory, division, refits) == f"already {division}/{refits}"
+    made, committed = (json.loads((d / PLAN_JSON).read_text())
+                       for d in (directory, assets.PLANS / model / name))
+    for document in (made, committed):
+        document["calibration"]["requantized"]["command"] = document["calibration"]["requantized"][
+            "command"].rsplit(" ", 1)[0]
+        assert document["integrity"].pop("plan_sha256")
+    assert made == committed  # bits_sha256 and the plan.safetensors sha256 included
+    # a damaged copy names both commands
+    _truncate(directory / PLAN_ARRAYS)
+    with pytest.raises(ValueError, match=rf"--out NEW_DIR .*, then: python -m studies.requantize_plans "
+                                         rf"--division {division} --refit-iters {refits} NEW_DIR/{name}"):
+        Plan.load(directory)
 
 
 def test_a_version_2_plan_must_have_its_quantizer_block(tmp_path):

@@ -68,7 +68,8 @@ CONFIGS = {
     "absmax-refit1-midrise": dict(refit_iters=1, grid="midrise", row_stat="absmax"),
     "rms-refit2-midrise": dict(refit_iters=2, grid="midrise", row_stat="rms", clip=0.9),
     "default": dict(),
-    "reciprocal-refit1": dict(division="reciprocal", refit_iters=1),
+    "reciprocal-refit1": dict(division="reciprocal", refit_iters=1),  # the shipped stepquant-4 plans'
+    "reciprocal-refit0": dict(division="reciprocal", refit_iters=0),  # the shipped stepquant-6 plans'
     "reciprocal-refit2-midtread": dict(division="reciprocal", refit_iters=2, grid="midtread"),
 }
 

@@ -9,7 +9,8 @@ A plan directory holds
   (plan.json also pins the quantizer: the DualAxisConfig the codec of every layer runs, so a plan
   keeps quantizing the same way when the library's defaults change. Format version 2 always writes
   it; version-1 plans may lack it and then load with :data:`~stepquant.calibrate.quantizer.V1_QUANTIZER`,
-  the defaults they were calibrated with. studies/migrate_plans.py rewrote the committed plans.)
+  the defaults they were calibrated with. studies/migrate_plans.py rewrote the committed plans;
+  studies/requantize_plans.py gave the STEPQuant ones the CUDA kernel's quantizer, calibration "requantized".)
   plan.safetensors   the arrays: bits [L, H, K] int8, w [L, H, K], half-lives, lifetime weights lambda,
                      the d(b) table of the variant's quantizer, omega, mean log retention;
   half_life_vs_bits.png  (written by the CLI) half-life against allocated bits.
@@ -461,14 +462,22 @@ class Plan(ModelFields):
 
 
 def _recalibrate_hint(document: dict) -> str:
-    """The command that made the plan, into a new --out directory (calibrate refuses to overwrite)."""
-    command = (document.get("calibration") or {}).get("command")
+    """The command that made the plan, into a new --out directory (calibrate refuses to overwrite), and
+    the quantizer rewrite a plan records after it (calibration "requantized", studies/requantize_plans.py)."""
+    calibration = document.get("calibration") or {}
+    command = calibration.get("command")
     if not command:
         return "; recalibrate (stepquant calibrate)"
     parts = shlex.split(command)
     if "--out" in parts[:-1]:
         parts[parts.index("--out") + 1] = "NEW_DIR"
-    return f"; recalibrate with: {shlex.join(parts)} (NEW_DIR: a directory of your choice)"
+    hint = f"; recalibrate with: {shlex.join(parts)} (NEW_DIR: a directory of your choice)"
+    rewrite = (calibration.get("requantized") or {}).get("command")
+    if rewrite:
+        parts = shlex.split(rewrite)
+        parts[-1] = f"NEW_DIR/{document.get('variant')}-{document.get('budget_bits')}"
+        hint += f", then: {shlex.join(parts)} (the same bits with another quantizer)"
+    return hint
 
 
 def _check_run_id(plan: Plan, directory: Path) -> None:
