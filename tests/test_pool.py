@@ -157,31 +157,6 @@ def test_an_engines_own_pages_drive_the_kernels():
     assert Pages.empty(FormatTables(LayerFormat(fmt.bits, None, "absmax"), 16), 3).col_scale is None
 
 
-def test_row_order_gathers_each_width_into_whole_warps():
-    # FormatTables.row_order / warp_bits (the CUDA kernel's per-warp bodies): a permutation of each head's
-    # rows; a mixed head's widths first in whole blocks of 16, then the rest; identity for one-width heads
-    from stepquant.kernels.tables import FormatTables
-
-    gen = torch.Generator().manual_seed(5)
-    widths = [5] * 33 + [3] * 16 + [2] * 15 + [PIVOT_BITS] * 2 + [8] * 14  # 80 rows: blocks 5, 5, 3
-    bits = torch.stack([torch.tensor(widths)[torch.randperm(80, generator=gen)], torch.full((80,), 4),
-                        torch.full((80,), PIVOT_BITS)]).to(torch.int8)
-    tables = FormatTables(LayerFormat(bits, None, "dual_axis"), 16)
-    order, groups = tables.row_order.view(3, 80).long(), tables.warp_bits.view(3, 10)
-    assert tables.row_order.dtype == tables.warp_bits.dtype == torch.int32
-    assert torch.equal(order.sort(dim=1).values, torch.arange(80).expand(3, 80))
-    assert torch.equal(order[1:], torch.arange(80).expand(2, 80))
-    assert groups[1].tolist() == [4] * 10 and groups[2].tolist() == [0] * 10
-    kernel_rows = bits[0].long()[order[0]]  # the width of each kernel row of the mixed head
-    assert kernel_rows[:48].tolist() == [3] * 16 + [5] * 32
-    assert groups[0].tolist() == [3, 3, 5, 5, 5, 5] + [0] * 4
-    rest = order[0, 48:]
-    assert bool((rest.diff() > 0).all())  # the remaining rows in key order (one 5-bit row, 2, 8 and pivots)
-    assert sorted(kernel_rows[48:].tolist()) == sorted([5] + [2] * 15 + [PIVOT_BITS] * 2 + [8] * 14)
-    for g, b in enumerate(groups[0].tolist()):  # a nonzero group is 8 rows of exactly that width
-        assert b == 0 or kernel_rows[8 * g:8 * g + 8].tolist() == [b] * 8
-
-
 # ---------------------------------------------------------------- slot ids (kernels.tables.check_slots)
 
 def _token(rows: int, heads: int = 4, key_dim: int = 16, value_dim: int = 16, seed: int = 4):

@@ -31,8 +31,6 @@ from stepquant.codecs.base import PIVOT_BITS, Grid
 from stepquant.codecs.packing import PLANE_WIDTHS, PackedLayout, PackedState
 
 MAX_SLOT_WORDS = 2**26  # the row table keeps a row's first word in 27 bits (first word << 5 | bits)
-WARP_ROWS = 16  # row_order gathers a mixed head's rows of one width in blocks of 16: whole CUDA warps
-GROUP_ROWS = 8  # warp_bits describes groups of 8 kernel rows (a warp holds 16 or 8: cuda.py SQ_ROWS)
 
 
 @dataclass(frozen=True, eq=False)
@@ -50,15 +48,6 @@ class FormatTables:
     launches of a step, (head indices int32, plane widths, uniform bits): heads whose rows share one
     width b (GDN heads; FP16 pivot heads, b = 16) grouped by b, heads with mixed rows (KDA) in one
     group compiled for the union of their plane widths.
-
-    row_order int32 [H*K] and warp_bits int32 [H*ceil(K/8)] (CUDA): the CUDA kernel's warps hold 16 (or 8)
-    consecutive kernel rows each and run a body compiled for one width when all their rows have it. Kernel
-    row r of head h holds key row row_order[h*K + r]: the identity for heads of one width; for a mixed head
-    first, for each width b = 2..8, its rows in whole blocks of 16 (floor(count/16) blocks, in key order),
-    then every other row (the remainders and the FP16 pivot rows, in key order). warp_bits[h*ceil(K/8) + g]
-    is the width of every kernel row 8g..8g+7 if they lie in one such block (or the head has one integer
-    width), else 0 (the per-row body). The order moves nothing in the stored layout (rows are found through
-    row_table) and no float of the quantizer: only the order of the kernel's sums over rows.
     """
 
     format: LayerFormat
@@ -74,8 +63,6 @@ class FormatTables:
     row_winv: torch.Tensor = field(init=False, repr=False)
     row_w2: torch.Tensor = field(init=False, repr=False)
     row_gain: torch.Tensor = field(init=False, repr=False)
-    row_order: torch.Tensor = field(init=False, repr=False)
-    warp_bits: torch.Tensor = field(init=False, repr=False)
     planes: int = field(init=False)
     head_groups: tuple[tuple[torch.Tensor, int, int], ...] = field(init=False, repr=False)
 
@@ -114,9 +101,6 @@ class FormatTables:
         set_("row_winv", put(dual_axis.row_factor(fmt.w, fmt.bits, fmt.config)))
         set_("row_w2", put(dual_axis.refit_weights(fmt.w, fmt.bits, fmt.config)))
         set_("row_gain", put(dual_axis.row_gains(fmt.bits, fmt.config)))
-        row_order, warp_bits = _warp_rows(bits, same)
-        set_("row_order", put(row_order))
-        set_("warp_bits", put(warp_bits))
         set_("planes", sum(width for width in PLANE_WIDTHS if bool((head_planes & width).any())))
         set_("head_groups", _head_groups(bits, head_planes, same, device))
 
@@ -143,28 +127,6 @@ class FormatTables:
     @property
     def grid(self) -> Grid:
         return self.format.grid
-
-
-def _warp_rows(bits: torch.Tensor, same: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """row_order [H, K] and warp_bits [H, ceil(K/8)] int32 (the class docstring)."""
-    heads, key_dim = bits.shape
-    order = torch.arange(key_dim).repeat(heads, 1)
-    group_bits = torch.zeros(heads, -(-key_dim // GROUP_ROWS), dtype=torch.int64)
-    for h in range(heads):
-        row = bits[h]
-        if bool(same[h]):
-            group_bits[h] = 0 if int(row[0]) == PIVOT_BITS else int(row[0])
-            continue
-        blocks, taken, widths = [], torch.zeros(key_dim, dtype=torch.bool), []
-        for b in dual_axis.BIT_WIDTHS:
-            rows = (row == b).nonzero().flatten()
-            rows = rows[: rows.numel() // WARP_ROWS * WARP_ROWS]
-            blocks.append(rows)
-            taken[rows] = True
-            widths += [b] * (rows.numel() // GROUP_ROWS)
-        order[h] = torch.cat([*blocks, (~taken).nonzero().flatten()])
-        group_bits[h, : len(widths)] = torch.tensor(widths, dtype=torch.int64)
-    return order.to(torch.int32), group_bits.to(torch.int32)
 
 
 def _head_groups(bits: torch.Tensor, head_planes: torch.Tensor, same: torch.Tensor,

@@ -59,8 +59,7 @@ class _Params(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "q", "k", "v", "g", "beta", "x_in", "y", "work", "slots", "codes", "row_scale", "col_scale",
-        "heads", "row_info", "row_winv", "row_w2", "row_gain", "row_order", "warp_bits", "dbg_x",
-        "dbg_c")] + [
+        "heads", "row_info", "row_winv", "row_w2", "row_gain", "dbg_x", "dbg_c")] + [
         ("scale", ctypes.c_float), ("slot_words", ctypes.c_longlong), ("group_magic", ctypes.c_ulonglong),
         ("H", ctypes.c_int), ("HQ", ctypes.c_int), ("K", ctypes.c_int), ("num_scaled", ctypes.c_int),
         ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int)]
@@ -192,7 +191,6 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
         slots=_ptr(slots), codes=_ptr(pages.codes), row_scale=_ptr(pages.row_scale),
         col_scale=_ptr(pages.col_scale), heads=_ptr(tables.head_info), row_info=_ptr(tables.row_table),
         row_winv=_ptr(tables.row_winv), row_w2=_ptr(tables.row_w2), row_gain=_ptr(tables.row_gain),
-        row_order=_ptr(tables.row_order), warp_bits=_ptr(tables.warp_bits),
         dbg_x=_ptr(dbg_x), dbg_c=_ptr(dbg_c), scale=scale, slot_words=tables.words_per_slot,
         H=heads, HQ=key_heads, K=key_dim, group_magic=-(-(1 << 32) // (heads // key_heads)),
         num_scaled=tables.num_scaled_heads, l2norm=int(use_qk_l2norm),

@@ -17,10 +17,7 @@
 //   4. Y = X / r in place;                              column maxima (8 warps -> smem) -> c
 //   5. codes of Y / c, refit sums (8 warps -> smem) -> refitted c; the last pass packs and stores.
 // A row's bit width is the same for the 32 lanes that hold it, so mixed-width (KDA) heads branch per
-// row without divergence; heads whose rows share one width b run a body compiled for that b, and so do
-// the warps of a mixed head whose 16 rows share one (FormatTables.row_order gathers each width's rows
-// into whole warps; a warp of mixed rows takes the per-row body; the warps of a CTA then run different
-// bodies and meet at barriers that need not be the same instruction).
+// row without divergence; heads whose rows share one width b run a body compiled for that b.
 
 #ifdef SQ_EMULATE
 #include "cuda_emulation.h"  // the CPU build that the default test suite runs
@@ -86,8 +83,6 @@ struct Params {
     const float* row_winv;  // [H*K]: dual_axis.row_factor
     const float* row_w2;    // [H*K]: dual_axis.refit_weights
     const float* row_gain;  // [H*K]: dual_axis.row_gains
-    const int* row_order;   // [H*K]: key row of each kernel row (a mixed head's widths in whole warps)
-    const int* warp_bits;   // [H*K/8]: b if kernel rows 8g..8g+7 all have width b, else 0 (tables.py)
     float* dbg_x;           // [N, H, K, V] or null: X before requantizing
     float* dbg_c;           // [N, H, V] or null: the column scales the stored codes were computed against
     float scale;            // q scale (after the optional L2 norm)
@@ -143,7 +138,7 @@ static_assert(OWN_READOUT_BUFFER || 2 * NUM_WARPS * V <= SCRATCH, "readout parti
 
 struct Shared {
     float4 row[MAX_K];        // (a k, a q, a, k) before the L2 norms: a = r_old e^g (pivot rows: e^g)
-    float4 rowp[MAX_K];       // (row factor f, refit weight, gain, the state's row as int: row_order)
+    float4 rowp[MAX_K];       // (row factor f, refit weight, gain, -)
     float2 rowq[MAX_K];       // (1/r or r, w^2 r^2) of the new row scales
     int rinfo[MAX_K];         // first word << 5 | bits
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
@@ -352,32 +347,6 @@ __device__ __forceinline__ float warp_sum(float x) {
     return x;
 }
 
-// CTA barriers. In a mixed head the warps may run bodies compiled for different widths, so the barrier
-// the 256 threads meet at is not one instruction: PTX's barrier.sync without .aligned allows that
-// (__syncthreads is the .aligned form). Heads of one width keep __syncthreads.
-template <bool ALIGNED>
-__device__ __forceinline__ void cta_sync() {
-#ifdef SQ_EMULATE
-    __syncthreads();
-#else
-    if constexpr (ALIGNED) __syncthreads();
-    else asm volatile("barrier.sync 0;" ::: "memory");
-#endif
-}
-
-template <bool ALIGNED>
-__device__ __forceinline__ bool cta_sync_or(bool predicate) {
-#ifdef SQ_EMULATE
-    return __syncthreads_or(predicate);
-#else
-    if constexpr (ALIGNED) return __syncthreads_or(predicate);
-    int any;
-    asm volatile("{\n\t.reg .pred p, q;\n\tsetp.ne.s32 p, %1, 0;\n\tbarrier.red.or.pred q, 0, p;\n\t"
-                 "selp.s32 %0, 1, 0, q;\n\t}" : "=r"(any) : "r"(int(predicate)) : "memory");
-    return any != 0;
-#endif
-}
-
 // ---------------------------------------------------------------- the step of one (request, head)
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -464,9 +433,7 @@ __device__ __forceinline__ void store_codes_any(int* row, int b, int lane, uint3
 }
 
 // Steps 3-5 on the tile x (levels or float state in, nothing out): X, row scales, column scales, codes.
-// KIND: the width b of every row of this warp (0: per-row widths); MIXED: the head's rows vary (rows in
-// row_order, offsets from the row table, the gain per warp)
-template <int KIND, bool MIXED>
+template <int KIND>
 __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&x)[ROWS][COLS],
                                            const bool (&row_pivot)[ROWS], const float (&c_old)[COLS],
                                            float fk, long long nh, int* slot_codes, long long rs_base,
@@ -474,8 +441,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int K = p.K;
     const int row0 = warp * ROWS;
-    auto row_offset = [&](int i) { return MIXED ? (sm.rinfo[i] >> 5) - head.z : i * 4 * KIND; };
-    auto key_row = [&](int i) { return MIXED ? int(__float_as_uint(sm.rowp[i].w)) : i; };  // state row of kernel row i
+    auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
     int* head_codes = slot_codes + head.z;
 
     // ---- 3. X = D S + k u^T (in place), row statistic -> new row scales
@@ -499,7 +465,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                     }
                 }
                 if (SQ_DEBUG && row0 < K)
-                    *reinterpret_cast<float4*>(p.dbg_x + ((nh * K + key_row(i)) * V + 4 * lane)) =
+                    *reinterpret_cast<float4*>(p.dbg_x + ((nh * K + i) * V + 4 * lane)) =
                         make_float4(x[r][0], x[r][1], x[r][2], x[r][3]);
 #pragma unroll
                 for (int c = 0; c < COLS; ++c) {
@@ -537,7 +503,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                     r_new = fp16_scale(__fdiv_rn(s, float((1 << (b - 1)) - 1)));
                 }
             }
-            if (has_scales) p.row_scale[rs_base + key_row(i)] = __float2half_rn(r_new);
+            if (has_scales) p.row_scale[rs_base + i] = __float2half_rn(r_new);
             const float w2r2 = __fmul_rn(__fmul_rn(rp.y, r_new), r_new);
             sm.rowq[i] = make_float2((SQ_RECIP && SQ_DUAL) ? __frcp_rn(r_new) : r_new, w2r2);
         }
@@ -566,29 +532,23 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                 colmax[c] = KIND ? fmaxf(colmax[c], fabsf(x[r][c])) : fmaxf(colmax[c], __fmul_rn(fabsf(x[r][c]), gain));
             }
         }
-        // rows of one width share one gain: max(|Y| gain) = max(|Y|) gain (gain > 0, rounding is monotone);
-        // a head of one width applies it after the warps' maxima, a warp of one width in a mixed head here
-        if constexpr (KIND && MIXED) {
-            const float gain = sm.rowp[row0].z;
-#pragma unroll
-            for (int c = 0; c < COLS; ++c) colmax[c] = __fmul_rn(colmax[c], gain);
-        }
         float* part = sm.scratch + COLMAX_AT;  // apart from the row partials other warps may still read
         *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(colmax[0], colmax[1], colmax[2], colmax[3]);
-        cta_sync<!MIXED>();
+        __syncthreads();
         bool over = false;
         if (column_thread(tid)) {
             const int j = tid - MAX_K;
             float m = 0.f;
 #pragma unroll
             for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, part[w * V + j]);
-            if constexpr (KIND && !MIXED) m = __fmul_rn(m, sm.rowp[0].z);
+            // one width per head: max(|Y| gain) = max(|Y|) gain (gain > 0 and rounding is monotone)
+            if constexpr (KIND) m = __fmul_rn(m, sm.rowp[0].z);
             const float c0 = fp16_scale(m);
             over = m > FP16_MAX;
             sm.col[2][j] = c0;
             sm.col[3][j] = SQ_RECIP ? __frcp_rn(c0) : __fdividef(1.f, c0);
         }
-        saturated = cta_sync_or<!MIXED>(over);
+        saturated = __syncthreads_or(over);
         load_cols();
     }
 
@@ -609,9 +569,8 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                 if (LAST && row0 < K) store_pivots(head_codes + row_offset(i), lane, x[r]);
             } else {
                 const float2 rq = sm.rowq[i];
-                // warps of one width: its grid constants are known when compiled, and the first codes of a
-                // width whose clip_b is 1 cannot leave the grid (above: the bound needs only the row's own
-                // gain, so it holds in a mixed head too); rows of mixed warps clamp always
+                // heads of one width: its grid constants are known when compiled, and the first codes of a
+                // width whose clip_b is 1 cannot leave the grid (above); mixed rows clamp always
                 const Width wd = width_of(KIND ? KIND : (sm.rinfo[i] & 31));
                 constexpr bool CLAMP = SATURATED || !(FIRST && MAY_SKIP_CLAMP);
                 uint32_t code[COLS];
@@ -643,7 +602,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
             float* part = sm.scratch;
             *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(num[0], num[1], num[2], num[3]);
             *reinterpret_cast<float4*>(&part[(NUM_WARPS + warp) * V + 4 * lane]) = make_float4(den[0], den[1], den[2], den[3]);
-            cta_sync<!MIXED>();
+            __syncthreads();
             if (column_thread(tid)) {
                 const int j = tid - MAX_K;
                 float sn = 0.f, sd = 0.f;
@@ -657,7 +616,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                     sm.col[3][j] = SQ_RECIP ? __frcp_rn(c_fit) : __fdividef(1.f, c_fit);
                 }
             }
-            cta_sync<!MIXED>();
+            __syncthreads();
             if (!LAST) load_cols();
         }
     };
@@ -679,9 +638,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     }
 }
 
-// KIND 2..8: every row of this warp has KIND bits; 0: per-row widths (and FP16 pivot rows). MIXED: the
-// head's rows vary in width (its rows in row_order, each warp on the body of its own rows)
-template <int KIND, bool MIXED>
+template <int KIND>  // 2..8: every row of the head has KIND bits; 0: per-row widths (and FP16 pivot rows)
 __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long slot, int4 head) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int K = p.K;
@@ -692,9 +649,9 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     const long long rs_base = (slot * p.num_scaled + hs) * (long long)K;
     const long long cs_base = (slot * p.num_scaled + hs) * (long long)V;
     const long long nh = (long long)n * p.H + h;
-    const int row0 = warp * ROWS;  // this warp's first kernel row
-    // where kernel row i starts, in words from the head's first word (heads of one width: a fixed stride)
-    auto row_offset = [&](int i) { return MIXED ? (sm.rinfo[i] >> 5) - head.z : i * 4 * KIND; };
+    const int row0 = warp * ROWS;  // this warp's first key row
+    // where row i starts, in words from the head's first word (heads of one width: a fixed stride)
+    auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
 
     // ---- 0. every global input of the step is loaded here, before the first barrier, so that the CTA
     // waits on global memory once. First what does not depend on the slot id (in flight while it arrives):
@@ -703,22 +660,20 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     // refit weight 0 keeps them out of the fit, a valid width keeps their (unused) levels finite; nothing
     // of theirs is stored.
     float k_i = 0.f, q_i = 0.f, eg = 1.f, r_old = 1.f, winv = 1.f, w2 = 0.f, gain = 0.f;  // row threads
-    int info = (head.z << 5) | (MIXED ? 2 : KIND);
-    int key = threadIdx.x;  // row threads: the state's row of kernel row tid
+    int info = (head.z << 5) | (KIND ? KIND : 2);
     float v_j = 0.f, beta = 0.f;  // column threads (v_j: u in the split writeback)
     if (tid < MAX_K) {
         const int i = tid;
         if (i < K) {
-            if (MIXED) key = p.row_order[h * K + i];
             if (SQ_PART != PACK) {
-                k_i = load_in(p.k, ((long long)n * p.HQ + hq) * K + key, p.bf16_mask & 2);
-                q_i = load_in(p.q, ((long long)n * p.HQ + hq) * K + key, p.bf16_mask & 1);
+                k_i = load_in(p.k, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 2);
+                q_i = load_in(p.q, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 1);
             }
-            info = p.row_info[h * K + key];
-            if (FROM_CODES) eg = load_in(p.g, SQ_KDA ? nh * K + key : nh, p.bf16_mask & 8);
-            winv = p.row_winv[h * K + key];
-            w2 = p.row_w2[h * K + key];
-            gain = p.row_gain[h * K + key];
+            info = p.row_info[h * K + i];
+            if (FROM_CODES) eg = load_in(p.g, SQ_KDA ? nh * K + i : nh, p.bf16_mask & 8);
+            winv = p.row_winv[h * K + i];
+            w2 = p.row_w2[h * K + i];
+            gain = p.row_gain[h * K + i];
         }
     } else if (column_thread(tid)) {
         const int j = tid - MAX_K;
@@ -740,9 +695,9 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     }
     if (tid < MAX_K) {
         const int i = tid;
-        if (FROM_CODES && has_scales && i < K) r_old = __half2float(p.row_scale[rs_base + key]);  // pivot rows: unused
+        if (FROM_CODES && has_scales && i < K) r_old = __half2float(p.row_scale[rs_base + i]);  // pivot rows: unused
         sm.rinfo[i] = info;
-        sm.rowp[i] = make_float4(winv, w2, gain, __uint_as_float(uint32_t(key)));
+        sm.rowp[i] = make_float4(winv, w2, gain, 0.f);
         sm.rowq[i] = make_float2(1.f, 0.f);
         // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1); rows past K: a = 0. k and q
         // enter before their norms (fk, fq below need every row's k and q; they scale the sums instead)
@@ -756,7 +711,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         sm.col[0][j] = (SQ_DUAL && has_scales && FROM_CODES) ? __half2float(p.col_scale[cs_base + j]) : 1.f;
     }
     if constexpr (FROM_CODES) cp_async_wait_all();
-    cta_sync<!MIXED>();
+    __syncthreads();
     const float kn = sm.red[0] + sm.red[1] + sm.red[2] + sm.red[3];
     const float qn = sm.red[4] + sm.red[5] + sm.red[6] + sm.red[7];
     float fq = p.scale, fk = 1.f;  // transformers' in-kernel L2 norm (recurrence.l2norm), then q * scale
@@ -799,7 +754,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             }
         } else {
             float4 v4 = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (row0 < K) v4 = *reinterpret_cast<const float4*>(p.x_in + ((nh * K + int(__float_as_uint(sm.rowp[i].w))) * V + 4 * lane));
+            if (row0 < K) v4 = *reinterpret_cast<const float4*>(p.x_in + ((nh * K + i) * V + 4 * lane));
             x[r][0] = v4.x; x[r][1] = v4.y; x[r][2] = v4.z; x[r][3] = v4.w;
         }
 #pragma unroll
@@ -815,7 +770,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     }
     // the readout partials share their memory with the stage when they have no buffer of their own; the
     // other parts' next barrier (below) ends the stage's reads
-    if constexpr (DO_READOUT && !OWN_READOUT_BUFFER) cta_sync<!MIXED>();
+    if constexpr (DO_READOUT && !OWN_READOUT_BUFFER) __syncthreads();
 
     // ---- 2. u and y: threads 128..255 sum k^T D S and compute u (they hold v and beta), threads 0..127
     // sum q^T D S and store y once u is there
@@ -825,7 +780,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         for (int a = 0; a < 2; ++a)
             *reinterpret_cast<float4*>(&part[(a * NUM_WARPS + warp) * V + 4 * lane]) =
                 make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]);
-        cta_sync<!MIXED>();
+        __syncthreads();
         const int j = tid & (V - 1);
         float qds = 0.f;  // q^T (D S)_j (threads 0..127)
         if (tid < 2 * V) {
@@ -842,18 +797,18 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
                 if (SQ_PART == READOUT && p.work) p.work[nh * V + j] = u;
             }
         }
-        cta_sync<!MIXED>();
+        __syncthreads();
         if (tid < V)  // y = X^T q = (D S)^T q + (k.q) u, before anything is requantized
             store_out(p.y, nh * V + j, __fmaf_rn(kq, sm.col[1][j], qds), p.bf16_mask & 32);
     } else if constexpr (SQ_PART == WRITEBACK) {
         if (column_thread(tid)) sm.col[1][tid - MAX_K] = v_j;  // the readout's u
-        cta_sync<!MIXED>();
+        __syncthreads();
     } else if constexpr (SQ_PART == PACK) {
         if (column_thread(tid)) sm.col[1][tid - MAX_K] = 0.f;
-        cta_sync<!MIXED>();
+        __syncthreads();
     }
     if constexpr (DO_WRITEBACK) {
-        requantize<KIND, MIXED>(p, sm, x, row_pivot, c_old, fk, nh, slot_codes, rs_base, cs_base, has_scales, head);
+        requantize<KIND>(p, sm, x, row_pivot, c_old, fk, nh, slot_codes, rs_base, cs_base, has_scales, head);
     }
 }
 
@@ -863,30 +818,18 @@ __global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(con
     const int slot = p.slots[n];  // -1: a free batch row (head_step returns before its first barrier)
     const int4 head = reinterpret_cast<const int4*>(p.heads)[h];  // (kind, scale slot, first word, words)
 #ifdef SQ_ONLY_KIND  // one body alone, for offline instruction counts (benchmarks/sass_cuda.py)
-    head_step<SQ_ONLY_KIND, false>(p, sm, n, h, slot, head);
+    head_step<SQ_ONLY_KIND>(p, sm, n, h, slot, head);
     return;
 #endif
-    switch (head.x) {  // heads of one width
-        case 2: head_step<2, false>(p, sm, n, h, slot, head); return;
-        case 3: head_step<3, false>(p, sm, n, h, slot, head); return;
-        case 4: head_step<4, false>(p, sm, n, h, slot, head); return;
-        case 5: head_step<5, false>(p, sm, n, h, slot, head); return;
-        case 6: head_step<6, false>(p, sm, n, h, slot, head); return;
-        case 7: head_step<7, false>(p, sm, n, h, slot, head); return;
-        case 8: head_step<8, false>(p, sm, n, h, slot, head); return;
-        default: break;
-    }
-    // a mixed head: each warp runs the body of its rows' width (warps past K: any body, here the per-row one)
-    const int row0 = (threadIdx.x >> 5) * ROWS;
-    switch (row0 < p.K ? p.warp_bits[h * (p.K >> 3) + (row0 >> 3)] : 0) {
-        case 2: head_step<2, true>(p, sm, n, h, slot, head); break;
-        case 3: head_step<3, true>(p, sm, n, h, slot, head); break;
-        case 4: head_step<4, true>(p, sm, n, h, slot, head); break;
-        case 5: head_step<5, true>(p, sm, n, h, slot, head); break;
-        case 6: head_step<6, true>(p, sm, n, h, slot, head); break;
-        case 7: head_step<7, true>(p, sm, n, h, slot, head); break;
-        case 8: head_step<8, true>(p, sm, n, h, slot, head); break;
-        default: head_step<0, true>(p, sm, n, h, slot, head); break;
+    switch (head.x) {
+        case 2: head_step<2>(p, sm, n, h, slot, head); break;
+        case 3: head_step<3>(p, sm, n, h, slot, head); break;
+        case 4: head_step<4>(p, sm, n, h, slot, head); break;
+        case 5: head_step<5>(p, sm, n, h, slot, head); break;
+        case 6: head_step<6>(p, sm, n, h, slot, head); break;
+        case 7: head_step<7>(p, sm, n, h, slot, head); break;
+        case 8: head_step<8>(p, sm, n, h, slot, head); break;
+        default: head_step<0>(p, sm, n, h, slot, head); break;
     }
 }
 
