@@ -26,6 +26,30 @@ from stepquant.calibrate.plan import PLAN_ARRAYS, PLAN_FORMAT_VERSION, PLAN_JSON
 _CHANGED_BY_MIGRATION = {"format_version", "quantizer", "integrity"}
 
 
+def rewrite_checked(directory: Path, plan: Plan, new_plan: Plan, before_json: str, arrays: bytes,
+                    allowed: set[str]) -> None:
+    """Write ``new_plan``'s plan.json over ``plan``'s; restore ``before_json`` and raise RuntimeError unless
+    only the ``allowed`` top-level fields changed, plan.safetensors is untouched, and the result loads with
+    ``new_plan``'s quantizer and ``plan``'s bits, w and bytes (also studies/requantize_plans.py)."""
+    json_path = directory / PLAN_JSON
+    new_plan.write_json(directory, arrays)
+    old, new = json.loads(before_json), json.loads(json_path.read_text())
+    changed = {key for key in old.keys() | new.keys() if old.get(key) != new.get(key)}
+    problems = []
+    if not changed <= allowed:
+        problems.append(f"plan.json fields {sorted(changed - allowed)} would change")
+    again = Plan.load(directory)
+    tables = zip(again.bits + again.w, plan.bits + plan.w, strict=True)
+    if not (again.quantizer == new_plan.quantizer and all(torch.equal(a, b) for a, b in tables)
+            and again.accounting() == plan.accounting()):
+        problems.append("the rewritten plan loads with another quantizer, bits, w or bytes")
+    if (directory / PLAN_ARRAYS).read_bytes() != arrays:
+        problems.append(f"{PLAN_ARRAYS} changed")
+    if problems:
+        json_path.write_text(before_json)
+        raise RuntimeError(f"{directory}: {'; '.join(problems)}; left unchanged")
+
+
 def migrate(directory: Path) -> str:
     """Migrate one plan directory; returns "migrated" or "already version N"."""
     json_path, arrays_path = directory / PLAN_JSON, directory / PLAN_ARRAYS
@@ -34,20 +58,7 @@ def migrate(directory: Path) -> str:
     if old["format_version"] == PLAN_FORMAT_VERSION:
         return f"already version {PLAN_FORMAT_VERSION}"
     plan = Plan.load(directory)
-    plan.write_json(directory, before_arrays)
-    new = json.loads(json_path.read_text())
-    changed = {key for key in old.keys() | new.keys() if old.get(key) != new.get(key)}
-    problems = []
-    if not changed <= _CHANGED_BY_MIGRATION:
-        problems.append(f"plan.json fields {sorted(changed - _CHANGED_BY_MIGRATION)} would change")
-    again = Plan.load(directory)
-    tables = zip(again.bits + again.w, plan.bits + plan.w, strict=True)
-    same = again.quantizer == plan.quantizer and all(torch.equal(a, b) for a, b in tables)
-    if not same:
-        problems.append("the rewritten plan loads differently")
-    if problems:
-        json_path.write_text(before_json)
-        raise RuntimeError(f"{directory}: {'; '.join(problems)}; left unchanged")
+    rewrite_checked(directory, plan, plan, before_json, before_arrays, _CHANGED_BY_MIGRATION)
     return "migrated"
 
 

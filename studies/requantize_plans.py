@@ -31,11 +31,10 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 from stepquant.calibrate.plan import PLAN_ARRAYS, PLAN_JSON, Plan
 from stepquant.calibrate.quantizer import quantizer_to_json
 from stepquant.codecs.dual_axis import DIVISIONS
+from studies.migrate_plans import rewrite_checked
 
 _CHANGED = {"quantizer", "calibration", "integrity"}
 
@@ -60,22 +59,7 @@ def requantize(directory: Path, division: str, refit_iters: int) -> str:
     calibration["requantized"] = {"from": original,
                                   "command": requantize_command(directory, division, refit_iters)}
     new_plan = dataclasses.replace(plan, quantizer=quantizer, calibration=calibration)
-    new_plan.write_json(directory, arrays)
-    old, new = json.loads(before_json), json.loads(json_path.read_text())
-    changed = {key for key in old.keys() | new.keys() if old.get(key) != new.get(key)}
-    problems = []
-    if not changed <= _CHANGED:
-        problems.append(f"plan.json fields {sorted(changed - _CHANGED)} would change")
-    again = Plan.load(directory)
-    tables = zip(again.bits + again.w, plan.bits + plan.w, strict=True)
-    if not (again.quantizer == quantizer and all(torch.equal(a, b) for a, b in tables)
-            and again.accounting() == plan.accounting()):
-        problems.append("the rewritten plan loads with other bits, w or bytes")
-    if arrays_path.read_bytes() != arrays:
-        problems.append(f"{PLAN_ARRAYS} changed")
-    if problems:
-        json_path.write_text(before_json)
-        raise RuntimeError(f"{directory}: {'; '.join(problems)}; left unchanged")
+    rewrite_checked(directory, plan, new_plan, before_json, arrays, _CHANGED)
     return "requantized"
 
 
