@@ -737,7 +737,7 @@ def plot(result: dict, path: Path) -> bool:
     fig, axes = plt.subplots(2, len(presets), figsize=(6 * len(presets), 8), squeeze=False)
     for col, preset in enumerate(presets):
         graphs = any(step_of(r) == "graph" for r in runs)
-        for fmt in FORMATS:
+        for number, fmt in enumerate(FORMATS):  # one colour per format; the eager loop dashed, open squares
             for step in ("graph", "eager"):
                 rows = sorted(
                     (r for r in runs if r["preset"] == preset and r["format"] == fmt and step_of(r) == step),
@@ -747,7 +747,11 @@ def plot(result: dict, path: Path) -> bool:
                     continue
                 b = [r["batch"] for r in rows]
                 label = f"{fmt} (eager)" if graphs and step == "eager" else fmt
-                style = dict(marker="o", label=label, linestyle="--" if label != fmt else "-")
+                eager = label != fmt
+                style = dict(
+                    color=f"C{number}", label=label, linestyle="--" if eager else "-",
+                    marker="s" if eager else "o", markerfacecolor="none" if eager else None,
+                )
                 axes[0][col].plot(b, [r["tokens_per_s"] for r in rows], **style)
                 if step == "graph" or not graphs:  # memory: one line per format
                     axes[1][col].plot(b, [r.get("peak_bytes", r["state_bytes"]) / GIB for r in rows], **style)
