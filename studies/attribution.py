@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from stepquant.cli import check_device
 from stepquant.codecs import Grid, MixedCodec, make_codec
 from stepquant.codecs.base import MIN_BITS, PIVOT_BITS
 from stepquant.data import segments as cut_segments
@@ -47,8 +48,14 @@ from stepquant.families import linear_layers as linear_layers_of
 from stepquant.models import load
 
 
-def diagnostic_variants(plans: dict, linear_layers: list[int], bits: int) -> list[tuple[str, str, dict]]:
-    """(name, description, {model layer: codec}) of every diagnostic variant; plans = {variant: Plan}."""
+def diagnostic_variants(plans: dict, linear_layers: list[int], bits: int,
+                        recalibrated=None, per_layer: bool = True) -> list[tuple[str, str, dict]]:
+    """(name, description, {model layer: codec}) of every diagnostic variant; plans = {variant: Plan}.
+
+    recalibrated: a STEPQuant@b plan calibrated under another quantizer (its own d_u(b) table, bits and w),
+    evaluated as calibrated next to the shipped plan's single-knob swaps. per_layer=False leaves out the
+    one-layer-only rows (half the variants).
+    """
     step, temporal = plans["stepquant"], plans["temporal"]
     fp32 = make_codec("fp32")
     uniform = make_codec(f"int{bits}")
@@ -78,12 +85,23 @@ def diagnostic_variants(plans: dict, linear_layers: list[int], bits: int) -> lis
           for i, layer in enumerate(linear_layers)}),
         ("stepquant+w2-refit", "STEPQuant, plain w^2 column refit (not step-normalised)",
          mixed(step, step_normalised_refit=False)),
-        ("stepquant+no-refit", "STEPQuant, no column refit (refit_iters = 0)", mixed(step, refit_iters=0)),
+    ]
+    variants += [(f"stepquant+refit={n}", f"STEPQuant, {n} column refit(s) (plan: {config.refit_iters})",
+                  mixed(step, refit_iters=n)) for n in (0, 1, 2) if n != config.refit_iters]
+    variants += [
         ("stepquant+no-clip", "STEPQuant, no clipping (clip_b = 1 at every width)", mixed(step, clip=1.0)),
         ("stepquant+row-absmax", "STEPQuant, row statistic absmax instead of rms",
          mixed(step, row_stat="absmax")),
+        ("stepquant+midtread+row-absmax", "STEPQuant, midtread grid and absmax row statistic",
+         mixed(step, grid=Grid.MIDTREAD, row_stat="absmax")),
     ]
-    for i, layer in enumerate(linear_layers):
+    if recalibrated is not None:
+        q = recalibrated.codec(0).config
+        what = f"grid {q.grid.value}, row stat {q.row_stat}, {q.refit_iters} refit(s)"
+        variants.append(("stepquant-recalibrated",
+                         f"STEPQuant@{bits} recalibrated under {what} (its own d_u(b), bits and w)",
+                         {layer: recalibrated.codec(i) for i, layer in enumerate(linear_layers)}))
+    for i, layer in enumerate(linear_layers if per_layer else []):
         for name, codec in ((f"stepquant-{bits}", step_codecs[i]), (f"temporal-{bits}", temporal.codec(i))):
             codecs = {other: codec if other == layer else fp32 for other in linear_layers}
             variants.append((f"{name}@{layer}", f"{name} on layer {layer} only, FP32 elsewhere", codecs))
@@ -201,20 +219,25 @@ def pivot_variants(plans: dict, linear_layers: list[int], bits: int) -> list[tup
 
 def run_attribution(model_name: str, bits: int, *, prefill: int, decode: int, window: int, segments: int,
                     data: list[str], plans_dir: Path, threads: int,
-                    heads_of_layer: int | None = None, pivots: bool = False) -> dict:
+                    heads_of_layer: int | None = None, pivots: bool = False,
+                    recalibrated_dir: Path | None = None, per_layer: bool = True,
+                    device: str = "cpu") -> dict:
     torch.set_num_threads(threads)
-    model, tokenizer = load(model_name)
+    model, tokenizer = load(model_name, device=device)
     linear_layers = list(linear_layers_of(model.config))
     plans = {v: load_plan(plan_path(f"{v}-{bits}", Path(model_name).name, plans_dir), model.config)
              for v in ("stepquant", "temporal")}
+    recalibrated = None if recalibrated_dir is None else load_plan(
+        plan_path(f"stepquant-{bits}", Path(model_name).name, recalibrated_dir), model.config)
     variants = [("fp32", "FP32 reference", dict.fromkeys(linear_layers, make_codec("fp32")))]
     if pivots:
         variants += pivot_variants(plans, linear_layers, bits)
     elif heads_of_layer is None:
-        variants += diagnostic_variants(plans, linear_layers, bits)
+        variants += diagnostic_variants(plans, linear_layers, bits, recalibrated, per_layer)
     else:
         variants += head_variants(plans, linear_layers, bits, heads_of_layer)
     tokens = torch.cat([cut_segments(d, tokenizer, segments, prefill + decode + 1) for d in data])
+    tokens = tokens.to(model.get_input_embeddings().weight.device)
     probe = drift_probe(model, tokens, [codecs for _, _, codecs in variants], prefill_len=prefill,
                         window=window, desc=f"{model_name} attribution @{bits}")
     rows = {}
@@ -253,15 +276,19 @@ def markdown(result: dict, command: str, settings: dict) -> str:
         f"| variant | what it is | first {w} | last {w} | all D |",
         "|---|---|---|---|---|",
     ]
-    base = result["variants"].get(f"int{result['bits']}") if "pivot_risk" in result else None
+    # paired differences to the pivots' uniform INT-b, or to the shipped STEPQuant@b plan for its swaps
+    base_name = (f"int{result['bits']}" if "pivot_risk" in result
+                 else f"stepquant-{result['bits']}" if "stepquant+w=1" in result["variants"] else None)
+    base = result["variants"].get(base_name)
     if base is not None:
-        lines[-2] += f" difference to INT{result['bits']} (paired) |"
+        lines[-2] += f" difference to {base_name} (paired) |"
         lines[-1] += "---|"
     for name, row in result["variants"].items():
         line = (f"| {name} | {row['description']} | {row['first']:+.4f} | {row['last']:+.4f} | "
                 f"{row['all']:+.4f} ± {row['stderr']:.4f} |")
         if base is not None:
-            paired = paired_difference({"excess_nll": row}, {"excess_nll": base}) if row is not base else None
+            paired = (paired_difference({"excess_nll": row}, {"excess_nll": base})
+                      if row is not base and len(base["block_means"]) >= 2 else None)
             line += " - |" if paired is None else f" {paired['diff']:+.4f} ± {paired['se']:.4f} |"
         lines.append(line)
     if "pivot_risk" in result:
@@ -297,16 +324,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plans-dir", default=str(DEFAULT_PLANS_DIR),
                         help="plans/<model>/<variant>-<bits>/ or a `stepquant calibrate --out` folder")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="device of the model and the probe (cpu, cuda)")
+    parser.add_argument("--recalibrated", default=None, metavar="DIR",
+                        help="also evaluate the stepquant-<bits> plan of this `stepquant calibrate --out` "
+                             "folder (e.g. calibrated with --grid midtread) beside the shipped plan's swaps")
     parser.add_argument("--heads-of-layer", type=int, default=None, metavar="LAYER",
                         help="instead of the standard variants: each head of this layer on its own")
     parser.add_argument("--pivots", action="store_true",
                         help="instead of the standard variants: INT-b with FP16 pivots on the top P / 4P / "
                              "16P units by calibrated risk and on the 16P lowest-risk units, plus the risk "
                              "tables")
+    parser.add_argument("--no-per-layer", action="store_true",
+                        help="leave out the one-layer-only rows (the quantizer swaps only: half the time)")
     parser.add_argument("--out", default="eval_results")
     args = parser.parse_args(argv)
     if args.pivots and args.heads_of_layer is not None:
         parser.error("give --pivots or --heads-of-layer, not both")
+    if args.recalibrated is not None and (args.pivots or args.heads_of_layer is not None):
+        parser.error("--recalibrated adds to the standard variants: not with --pivots or --heads-of-layer")
+    try:
+        check_device(args.device)
+    except ValueError as err:
+        parser.error(str(err))
     defaults = QUICK if args.quick else FULL
     prefill = args.prefill or defaults["prefill"]
     decode = args.decode or defaults["decode"]
@@ -314,7 +353,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     result = run_attribution(args.model, args.bits, prefill=prefill, decode=decode, window=args.window,
                              segments=args.segments, data=data, plans_dir=Path(args.plans_dir),
-                             threads=args.threads, heads_of_layer=args.heads_of_layer, pivots=args.pivots)
+                             threads=args.threads, heads_of_layer=args.heads_of_layer, pivots=args.pivots,
+                             recalibrated_dir=None if args.recalibrated is None else Path(args.recalibrated),
+                             per_layer=not args.no_per_layer, device=args.device)
     settings = {"prefill": prefill, "decode": decode, "data": data, "machine": machine(),
                 "date": datetime.date.today().isoformat(), "seconds": time.perf_counter() - started}
     command = "python -m studies.attribution " + " ".join(
@@ -326,6 +367,8 @@ def main(argv: list[str] | None = None) -> int:
         stem += f"_layer{args.heads_of_layer}_heads"
     if args.pivots:
         stem += "_pivots"
+    if args.no_per_layer:
+        stem += "_swaps"
     record = {**result, "settings": settings, "command": command}
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
     text = markdown(result, command, settings)

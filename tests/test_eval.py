@@ -246,8 +246,14 @@ def test_attribution_diagnostic_variants_change_one_thing_each():
     plans = {v: Plan.load(DEFAULT_PLANS_DIR / "gdn" / f"{v}-4", model_config="gdn")
              for v in ("stepquant", "temporal")}
     variants = {name: codecs for name, _, codecs in diagnostic_variants(plans, GDN_LINEAR, 4)}
-    assert len(variants) == 11 + 2 * len(GDN_LINEAR)  # names are unique
+    assert len(variants) == 13 + 2 * len(GDN_LINEAR)  # names are unique
     default = plans["stepquant"].codec(0).config
+    assert default.refit_iters == 1 and "stepquant+refit=1" not in variants  # the plan's own count
+    assert [variants[f"stepquant+refit={n}"][0].config.refit_iters for n in (0, 2)] == [0, 2]
+    assert "stepquant-recalibrated" not in variants
+    other = Plan.load(DEFAULT_PLANS_DIR / "gdn" / "stepquant-6", model_config="gdn")
+    recalibrated = {name: codecs for name, _, codecs in diagnostic_variants(plans, GDN_LINEAR, 4, other)}
+    assert torch.equal(recalibrated["stepquant-recalibrated"][4].bits, other.bits[3])  # layer 4 = index 3
     assert variants["stepquant+row-absmax"][0].config == dataclasses.replace(default, row_stat="absmax")
     assert variants["stepquant+midtread"][0].config.grid != default.grid
     assert all(torch.equal(variants["temporal-bits+dual"][layer].bits, plans["temporal"].bits[i])
