@@ -11,6 +11,7 @@
 #
 #   OUT=/some/dir bash benchmarks/quantizer_ablation.sh   # $OUT: attribution_<model>_<bits>_swaps.md/json,
 #                                                         # the midtread plans' plan.json, the logs
+# Without a GPU it runs on the CPU (hours at these settings: the budget stops it; for a syntax check only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/quantizer_ablation}"
