@@ -26,11 +26,12 @@ from stepquant.kernels.tables import FormatTables  # noqa: E402
 
 RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
 RECIPROCAL_0 = DualAxisConfig(division="reciprocal", refit_iters=0)  # the kernel's contract without a refit
+MIDTREAD_1 = DualAxisConfig(grid="midtread", division="reciprocal", refit_iters=1)  # the stepquant-4 plans'
 EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)  # the first quantizer (spatial-* plans)
 PACK_EXACT = DualAxisConfig(refit_iters=0, row_stat="absmax")  # test_cuda_kernel's exact pack check
 
 # (spatial, quantizer, part, kda, debug)
-DUAL = (RECIPROCAL_1, RECIPROCAL_0, EXACT_2)
+DUAL = (RECIPROCAL_1, RECIPROCAL_0, MIDTREAD_1, EXACT_2)
 CONFIGS = (
     [("dual_axis", q, part, kda, False) for q in DUAL for part in ("fused", "readout", "writeback")
      for kda in (False, True)]
@@ -46,7 +47,8 @@ def main(argv=None) -> int:
     parser.add_argument("--serving-only", action="store_true",
                         help="only what a serving decode with the kernel's quantizer uses "
                              "(bench_generate.py): fused, readout, writeback (GDN and KDA) and pack, "
-                             "reciprocal quantizer with one refit or none, no debug")
+                             "the shipped plans' quantizers (reciprocal, one refit or none, mid-rise or "
+                             "mid-tread), no debug")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to build (the CPU tests build the emulation on their own)")
@@ -60,7 +62,8 @@ def main(argv=None) -> int:
                          for part in ("fused", "readout")]
     if args.serving_only:
         configs = [c for c in CONFIGS
-                   if c[1] in (RECIPROCAL_1, RECIPROCAL_0) and c[4] is False and c[0] == "dual_axis"]
+                   if c[1] in (RECIPROCAL_1, RECIPROCAL_0, MIDTREAD_1) and c[4] is False
+                   and c[0] == "dual_axis"]
     rows = cuda.TUNING["SQ_ROWS"]  # the default, or STEPQUANT_CUDA_ROWS
     for spatial, quantizer, part, kda, debug in configs:
         cuda.TUNING["SQ_ROWS"] = 8 if debug == "16 warps" else rows

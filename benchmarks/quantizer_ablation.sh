@@ -9,8 +9,13 @@
 # batched decode loop (--no-per-layer). Needs the wheels of h200_run.sh under .whl/ (fla-core, the slim
 # transformers). One 10-minute device call holds two runs; a warm machine reuses the plans in /tmp/ablation.
 #
-#   OUT=/some/dir bash benchmarks/quantizer_ablation.sh   # $OUT: attribution_<model>_<bits>_swaps.md/json,
-#                                                         # the midtread plans' plan.json, the logs
+#   OUT=/some/dir bash benchmarks/quantizer_ablation.sh   # $OUT: calibrate_<run>.log and
+#                                                         # attribution_<model>_<bits>_swaps.md/json
+#   OUT=/some/dir ONLY=stepquant+row-meanabs TAG=rowstat bash benchmarks/quantizer_ablation.sh
+#       # no recalibration: only the named swaps of the shipped plans (a cheap probe), files
+#       # attribution_<model>_<bits>_swaps_<TAG>.md/json
+# The steps (versions, timings, each probe's last line) are printed and kept in /tmp/ablation/steps.txt
+# with the probes' full logs and the plans: at most 8 files come back from a device call.
 # Without a GPU it runs on the CPU (hours at these settings: the budget stops it; for a syntax check only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +23,9 @@ OUT="${OUT:-/tmp/quantizer_ablation}"
 WORK=/tmp/ablation  # the recalibrated plans; a later call on a warm machine reuses them
 RUNS=${RUNS:-"kda-4 gdn-4 kda-6 gdn-6"}  # <model>-<bits>, in this order until BUDGET runs out
 BUDGET=${BUDGET:-560}  # seconds for the whole script; a step starts only with 60 s left
+ONLY=${ONLY:-} TAG=${TAG:-only}
 mkdir -p "$OUT" "$WORK"
+STEPS="$WORK/steps.txt"
 if compgen -G ".whl/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -n 3
 fi
@@ -30,26 +37,35 @@ export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
 DEVICE=cuda
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || DEVICE=cpu
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
-'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')" | tee "$OUT/env.txt"
+'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')" | tee "$STEPS"
 left() { echo $((BUDGET - SECONDS)); }
 for run in $RUNS; do
     model=${run%-*} bits=${run#*-}
     refits=$([ "$bits" = 4 ] && echo 1 || echo 0)
     plans="$WORK/plans_midtread/$model-$bits"
+    if [ -n "$ONLY" ]; then
+        [ "$(left)" -gt 60 ] || { echo "out of time before attribution $run" | tee -a "$STEPS"; break; }
+        start=$SECONDS
+        timeout "$(left)" python3 -m studies.attribution --model "$model" --bits "$bits" --quick \
+            --device "$DEVICE" --no-per-layer --only "$ONLY" --tag "$TAG" --out "$OUT" \
+            > "$WORK/attribution_${run}_$TAG.log" 2>&1
+        echo "attribution $run --only $ONLY: rc $? in $((SECONDS - start)) s" | tee -a "$STEPS"
+        tail -n 1 "$WORK/attribution_${run}_$TAG.log" | tee -a "$STEPS"
+        continue
+    fi
     if [ ! -e "$plans/stepquant-$bits/plan.json" ]; then
-        [ "$(left)" -gt 60 ] || { echo "out of time before calibrate $run" | tee -a "$OUT/steps.txt"; break; }
+        [ "$(left)" -gt 60 ] || { echo "out of time before calibrate $run" | tee -a "$STEPS"; break; }
         start=$SECONDS
         timeout "$(left)" python3 -m stepquant.cli calibrate --model "$model" --bits "$bits" \
             --variant stepquant --grid midtread --division reciprocal --refit-iters "$refits" \
             --device "$DEVICE" --replay-device "$DEVICE" --no-progress --out "$plans" \
             > "$OUT/calibrate_$run.log" 2>&1
-        echo "calibrate $run: rc $? in $((SECONDS - start)) s" | tee -a "$OUT/steps.txt"
+        echo "calibrate $run: rc $? in $((SECONDS - start)) s" | tee -a "$STEPS"
     fi
-    [ "$(left)" -gt 60 ] || { echo "out of time before attribution $run" | tee -a "$OUT/steps.txt"; break; }
+    [ "$(left)" -gt 60 ] || { echo "out of time before attribution $run" | tee -a "$STEPS"; break; }
     start=$SECONDS
     timeout "$(left)" python3 -m studies.attribution --model "$model" --bits "$bits" --quick \
-        --device "$DEVICE" --recalibrated "$plans" --no-per-layer --out "$OUT" > "$OUT/attribution_$run.log" 2>&1
-    echo "attribution $run: rc $? in $((SECONDS - start)) s" | tee -a "$OUT/steps.txt"
-    tail -n 1 "$OUT/attribution_$run.log"
-    cp "$plans/stepquant-$bits/plan.json" "$OUT/plan_midtread_$run.json" 2>/dev/null
+        --device "$DEVICE" --recalibrated "$plans" --no-per-layer --out "$OUT" > "$WORK/attribution_$run.log" 2>&1
+    echo "attribution $run: rc $? in $((SECONDS - start)) s" | tee -a "$STEPS"
+    tail -n 3 "$WORK/attribution_$run.log" | tee -a "$STEPS"
 done

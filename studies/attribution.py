@@ -61,6 +61,7 @@ def diagnostic_variants(plans: dict, linear_layers: list[int], bits: int,
     uniform = make_codec(f"int{bits}")
     step_codecs = [step.codec(i) for i in range(len(linear_layers))]
     config = step_codecs[0].config
+    other = Grid.MIDRISE if config.grid is Grid.MIDTREAD else Grid.MIDTREAD  # the grid the plan does not use
 
     def mixed(plan, spatial="dual_axis", w_plan=None, **changes):
         w_plan = plan if w_plan is None else w_plan
@@ -78,8 +79,9 @@ def diagnostic_variants(plans: dict, linear_layers: list[int], bits: int,
          mixed(step, spatial="absmax")),
         ("temporal-bits+dual", "temporal's bits, STEPQuant's dual-axis quantizer (w of the STEPQuant plan)",
          mixed(temporal, w_plan=step)),
-        ("stepquant+midtread", "STEPQuant, dual-axis on the midtread grid (zero is a level)",
-         mixed(step, grid=Grid.MIDTREAD)),
+        (f"stepquant+{other.value}",
+         f"STEPQuant, dual-axis on the {other.value} grid (plan: {config.grid.value})",
+         mixed(step, grid=other)),
         ("stepquant+w=1", "STEPQuant, dual-axis without row-impact factors (w = 1)",
          {layer: MixedCodec(bits=step.bits[i], w=None, config=config)
           for i, layer in enumerate(linear_layers)}),
@@ -90,10 +92,13 @@ def diagnostic_variants(plans: dict, linear_layers: list[int], bits: int,
                   mixed(step, refit_iters=n)) for n in (0, 1, 2) if n != config.refit_iters]
     variants += [
         ("stepquant+no-clip", "STEPQuant, no clipping (clip_b = 1 at every width)", mixed(step, clip=1.0)),
-        ("stepquant+row-absmax", "STEPQuant, row statistic absmax instead of rms",
+        ("stepquant+row-absmax", f"STEPQuant, row statistic absmax (plan: {config.row_stat})",
          mixed(step, row_stat="absmax")),
-        ("stepquant+midtread+row-absmax", "STEPQuant, midtread grid and absmax row statistic",
-         mixed(step, grid=Grid.MIDTREAD, row_stat="absmax")),
+        ("stepquant+row-meanabs",
+         f"STEPQuant, row statistic mean_abs, the mean magnitude (plan: {config.row_stat})",
+         mixed(step, row_stat="mean_abs")),
+        (f"stepquant+{other.value}+row-absmax", f"STEPQuant, {other.value} grid and absmax row statistic",
+         mixed(step, grid=other, row_stat="absmax")),
     ]
     if recalibrated is not None:
         q = recalibrated.codec(0).config
@@ -221,7 +226,7 @@ def run_attribution(model_name: str, bits: int, *, prefill: int, decode: int, wi
                     data: list[str], plans_dir: Path, threads: int,
                     heads_of_layer: int | None = None, pivots: bool = False,
                     recalibrated_dir: Path | None = None, per_layer: bool = True,
-                    device: str = "cpu") -> dict:
+                    device: str = "cpu", only: list[str] | None = None) -> dict:
     torch.set_num_threads(threads)
     model, tokenizer = load(model_name, device=device)
     linear_layers = list(linear_layers_of(model.config))
@@ -236,6 +241,13 @@ def run_attribution(model_name: str, bits: int, *, prefill: int, decode: int, wi
         variants += diagnostic_variants(plans, linear_layers, bits, recalibrated, per_layer)
     else:
         variants += head_variants(plans, linear_layers, bits, heads_of_layer)
+    if only is not None:
+        known = [name for name, _, _ in variants]
+        unknown = sorted(set(only) - set(known))
+        if unknown:
+            raise ValueError(f"--only: no variant named {unknown}; the variants are {known}")
+        keep = {"fp32", f"int{bits}", f"stepquant-{bits}", *only}
+        variants = [v for v in variants if v[0] in keep]
     tokens = torch.cat([cut_segments(d, tokenizer, segments, prefill + decode + 1) for d in data])
     tokens = tokens.to(model.get_input_embeddings().weight.device)
     probe = drift_probe(model, tokens, [codecs for _, _, codecs in variants], prefill_len=prefill,
@@ -277,8 +289,9 @@ def markdown(result: dict, command: str, settings: dict) -> str:
         "|---|---|---|---|---|",
     ]
     # paired differences to the pivots' uniform INT-b, or to the shipped STEPQuant@b plan for its swaps
+    swaps = any(name.startswith("stepquant+") for name in result["variants"])
     base_name = (f"int{result['bits']}" if "pivot_risk" in result
-                 else f"stepquant-{result['bits']}" if "stepquant+w=1" in result["variants"] else None)
+                 else f"stepquant-{result['bits']}" if swaps else None)
     base = result["variants"].get(base_name)
     if base is not None:
         lines[-2] += f" difference to {base_name} (paired) |"
@@ -336,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
                              "tables")
     parser.add_argument("--no-per-layer", action="store_true",
                         help="leave out the one-layer-only rows (the quantizer swaps only: half the time)")
+    parser.add_argument("--only", default=None, metavar="NAMES",
+                        help="comma list of variant names to keep (fp32, int<b>, stepquant-<b> always "
+                        "stay): a cheaper probe of a few swaps")
+    parser.add_argument("--tag", default=None,
+                        help="appended to the file stem (attribution_<model>_<bits>[_swaps]_<tag>)")
     parser.add_argument("--out", default="eval_results")
     args = parser.parse_args(argv)
     if args.pivots and args.heads_of_layer is not None:
@@ -355,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
                              segments=args.segments, data=data, plans_dir=Path(args.plans_dir),
                              threads=args.threads, heads_of_layer=args.heads_of_layer, pivots=args.pivots,
                              recalibrated_dir=None if args.recalibrated is None else Path(args.recalibrated),
-                             per_layer=not args.no_per_layer, device=args.device)
+                             per_layer=not args.no_per_layer, device=args.device,
+                             only=None if args.only is None else [n for n in args.only.split(",") if n])
     settings = {"prefill": prefill, "decode": decode, "data": data, "machine": machine(),
                 "date": datetime.date.today().isoformat(), "seconds": time.perf_counter() - started}
     command = "python -m studies.attribution " + " ".join(
@@ -369,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
         stem += "_pivots"
     if args.no_per_layer:
         stem += "_swaps"
+    if args.tag:
+        stem += f"_{args.tag}"
     record = {**result, "settings": settings, "command": command}
     (out / f"{stem}.json").write_text(json.dumps(record, indent=1) + "\n")
     text = markdown(result, command, settings)

@@ -250,11 +250,11 @@ def test_version_1_plans_load_with_the_v1_quantizer_and_migrate_to_the_same_code
         assert torch.equal(migrated.codec(i).roundtrip(states), v1.codec(i).roundtrip(states))
 
 
-SHIPPED_QUANTIZERS = {"stepquant-6": ("reciprocal", 0), "stepquant-4": ("reciprocal", 1)}
+# the 6-bit STEPQuant plans: calibrated with exact/2, requantized (issue 12)
+REQUANTIZED = {("gdn", "stepquant-6"): ("reciprocal", 0), ("kda", "stepquant-6"): ("reciprocal", 0)}
 
 
-@pytest.mark.parametrize("model", ["gdn", "kda"])
-@pytest.mark.parametrize("name", sorted(SHIPPED_QUANTIZERS))
+@pytest.mark.parametrize("model, name", sorted(REQUANTIZED), ids=[f"{m}/{n}" for m, n in sorted(REQUANTIZED)])
 def test_shipped_stepquant_plans_run_the_kernel_quantizer_with_their_calibrated_bits(tmp_path, model, name):
     from stepquant.calibrate.quantizer import V1_QUANTIZER
     from studies.quantizer_check import calibrated
@@ -263,7 +263,7 @@ def test_shipped_stepquant_plans_run_the_kernel_quantizer_with_their_calibrated_
     # issue 12: the shipped STEPQuant plans run the CUDA kernel's fast quantizer with the bits and w they
     # were calibrated with (studies/requantize_plans.py); the calibration block records what was changed
     shipped = Plan.load(assets.PLANS / model / name, model_config=model)
-    division, refits = SHIPPED_QUANTIZERS[name]
+    division, refits = REQUANTIZED[model, name]
     assert (shipped.quantizer.division, shipped.quantizer.refit_iters) == (division, refits)
     assert shipped.codec(0).config == shipped.quantizer
     original = calibrated(shipped)  # the plan as calibrated: the first quantizer, exact/2
@@ -289,6 +289,32 @@ def test_shipped_stepquant_plans_run_the_kernel_quantizer_with_their_calibrated_
     with pytest.raises(ValueError, match=rf"--out NEW_DIR .*, then: python -m studies.requantize_plans "
                                          rf"--division {division} --refit-iters {refits} NEW_DIR/{name}"):
         Plan.load(directory)
+
+
+@pytest.mark.parametrize("model", ["gdn", "kda"])
+def test_shipped_stepquant_4_plans_are_their_mid_tread_calibration(tmp_path, capsys, model):
+    # issue 14: the 4-bit STEPQuant plans are calibrated under the quantizer they run (mid-tread grid,
+    # reciprocal, one refit: d_u(b) measured with it); the statistics ship beside them and emit them again
+    from safetensors.torch import load_file
+
+    from stepquant.calibrate.quantizer import quantizer_from_json
+
+    directory = assets.PLANS / model / "stepquant-4"
+    shipped = Plan.load(directory, model_config=model)
+    q = shipped.quantizer
+    assert (q.grid.value, q.row_stat, q.division, q.refit_iters) == ("midtread", "rms", "reciprocal", 1)
+    assert "requantized" not in shipped.calibration
+    assert quantizer_from_json(shipped.calibration["quantizer"]) == q
+    stats = assets.PLANS / model / "stats-midtread"
+    assert main(["calibrate", "--stats", str(stats), "--bits", "4", "--grid", "midtread", "--division",
+                 "reciprocal", "--refit-iters", "1", "--out", str(tmp_path), "--json"]) == 0
+    capsys.readouterr()
+    made, committed = (json.loads((d / PLAN_JSON).read_text())["integrity"]
+                       for d in (tmp_path / "stepquant-4", directory))
+    assert made["bits_sha256"] == committed["bits_sha256"]
+    # the same arrays (the files' bytes can differ: safetensors writes its metadata in hash order)
+    made, committed = (load_file(d / PLAN_ARRAYS) for d in (tmp_path / "stepquant-4", directory))
+    assert made.keys() == committed.keys() and all(torch.equal(made[k], committed[k]) for k in made)
 
 
 def test_a_version_2_plan_must_have_its_quantizer_block(tmp_path):
@@ -370,6 +396,16 @@ def test_calibrate_division_and_refit_options(tmp_path, capsys):
     assert main(["calibrate", "--stats", str(out), "--bits", "6", "--refit-iters", "-1",
                  "--out", str(tmp_path / "bad"), "--no-progress"]) == 2
     assert "--refit-iters must be >= 0" in capsys.readouterr().err
+    # --row-stat likewise (mean_abs: the authors' statistic, issue 14)
+    mean_abs = DualAxisConfig(row_stat="mean_abs", division="reciprocal", refit_iters=1)
+    object.__setattr__(stats, "settings", {"quantizer": quantizer_to_json(mean_abs)})
+    stats.save(tmp_path / "mean_abs")
+    options = ["--row-stat", "mean_abs", "--division", "reciprocal", "--refit-iters", "1"]
+    assert main(["calibrate", "--stats", str(tmp_path / "mean_abs"), "--bits", "4", *options,
+                 "--out", str(tmp_path / "mean_abs"), "--no-progress"]) == 0
+    capsys.readouterr()
+    made = Plan.load(tmp_path / "mean_abs" / "stepquant-4")
+    assert made.quantizer == mean_abs and " ".join(options) in made.calibration["command"]
 
 def test_row_weights_are_bounded_at_plan_build_and_load(saved_plans, tmp_path):
     import dataclasses

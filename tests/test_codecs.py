@@ -310,7 +310,12 @@ def naive_dual_axis(x, bits, w, grid, row_stat, clip, refit_iters):
     for n in range(n_req):
         for h in range(n_head):
             b_x, b_w = x[n, h], w[h]  # [K, V], [K]
-            m = b_x.abs().amax(1) if row_stat == "absmax" else torch.sqrt((b_x * b_x).mean(1))
+            if row_stat == "absmax":
+                m = b_x.abs().amax(1)
+            elif row_stat == "mean_abs":
+                m = b_x.abs().mean(1)
+            else:
+                m = torch.sqrt((b_x * b_x).mean(1))
             r = fp16(torch.sqrt(m) * (1.0 / torch.sqrt(b_w)))
             y = b_x / r[:, None]
             c = fp16((y.abs() * gain).amax(0))
@@ -327,7 +332,8 @@ def naive_dual_axis(x, bits, w, grid, row_stat, clip, refit_iters):
 
 
 @pytest.mark.parametrize("refit_iters", [0, 1, 3])
-@pytest.mark.parametrize("grid, row_stat", [(Grid.MIDTREAD, "absmax"), (Grid.MIDRISE, "rms")])
+@pytest.mark.parametrize("grid, row_stat", [(Grid.MIDTREAD, "absmax"), (Grid.MIDRISE, "rms"),
+                                            (Grid.MIDTREAD, "mean_abs")])
 @pytest.mark.parametrize("bits", [3, 6], ids=lambda b: f"{b}b")
 def test_dual_axis_matches_the_written_out_algorithm(bits, grid, row_stat, refit_iters):
     x = outlier_states((2, 2, 37, 24), seed=bits)

@@ -38,6 +38,9 @@ CONFIGS = {
     "absmax-refit0-midtread": dict(division="exact", refit_iters=0, grid="midtread", row_stat="absmax"),
     "reciprocal-absmax-refit0-midtread": dict(division="reciprocal", refit_iters=0, grid="midtread",
                                               row_stat="absmax"),
+    "reciprocal-meanabs-refit1-midtread": dict(division="reciprocal", refit_iters=1, grid="midtread",
+                                               row_stat="mean_abs"),
+    "reciprocal-refit1-midtread": dict(division="reciprocal", refit_iters=1, grid="midtread"),  # stepquant-4
 }
 EXACT_SCALES = {"absmax-refit0-midtread", "reciprocal-absmax-refit0-midtread"}
 
@@ -199,8 +202,10 @@ def _gpu_case(bits, key_heads, kda, num_rows, spatial="dual_axis", **config):
     gpu_decode_case(cuda.decode, bits, key_heads, kda, num_rows, spatial, **config)
 
 
-QUANTIZERS = {"reciprocal-refit1": CONFIGS["reciprocal-refit1"],
-              "reciprocal-refit0": CONFIGS["reciprocal-refit0"], "exact-refit2": dict(refit_iters=2)}
+GPU_QUANTIZERS = ("reciprocal-refit1", "reciprocal-refit0", "reciprocal-refit1-midtread",
+                  "reciprocal-meanabs-refit1-midtread")
+QUANTIZERS = {name: CONFIGS[name] for name in GPU_QUANTIZERS}
+QUANTIZERS["exact-refit2"] = dict(refit_iters=2)
 
 
 @pytest.mark.gpu

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -246,7 +247,7 @@ def test_attribution_diagnostic_variants_change_one_thing_each():
     plans = {v: Plan.load(DEFAULT_PLANS_DIR / "gdn" / f"{v}-4", model_config="gdn")
              for v in ("stepquant", "temporal")}
     variants = {name: codecs for name, _, codecs in diagnostic_variants(plans, GDN_LINEAR, 4)}
-    assert len(variants) == 13 + 2 * len(GDN_LINEAR)  # names are unique
+    assert len(variants) == 14 + 2 * len(GDN_LINEAR)  # names are unique
     default = plans["stepquant"].codec(0).config
     assert default.refit_iters == 1 and "stepquant+refit=1" not in variants  # the plan's own count
     assert [variants[f"stepquant+refit={n}"][0].config.refit_iters for n in (0, 2)] == [0, 2]
@@ -255,7 +256,9 @@ def test_attribution_diagnostic_variants_change_one_thing_each():
     recalibrated = {name: codecs for name, _, codecs in diagnostic_variants(plans, GDN_LINEAR, 4, other)}
     assert torch.equal(recalibrated["stepquant-recalibrated"][4].bits, other.bits[3])  # layer 4 = index 3
     assert variants["stepquant+row-absmax"][0].config == dataclasses.replace(default, row_stat="absmax")
-    assert variants["stepquant+midtread"][0].config.grid != default.grid
+    assert variants["stepquant+row-meanabs"][0].config == dataclasses.replace(default, row_stat="mean_abs")
+    other_grid = {"midrise": "midtread", "midtread": "midrise"}[default.grid.value]
+    assert variants[f"stepquant+{other_grid}"][0].config.grid.value == other_grid
     assert all(torch.equal(variants["temporal-bits+dual"][layer].bits, plans["temporal"].bits[i])
                for i, layer in enumerate(GDN_LINEAR))
     one = variants["stepquant-4@4"]
@@ -326,3 +329,26 @@ def test_eval_writes_each_model_as_it_finishes(tmp_path, capsys, monkeypatch):
     assert capsys.readouterr().err.strip() == "stepquant eval: error: the second model ran out of memory"
     record = json.loads((tmp_path / "eval.json").read_text())
     assert list(record["models"]) == ["gdn"] and "| INT4 |" in (tmp_path / "eval.md").read_text()
+
+
+def test_verdicts_pair_blocks_and_read_the_sides():
+    from studies.verdicts import TARGETS, table, verdict
+
+    def method(blocks):
+        return {"excess_nll": {"all": {"mean": sum(blocks) / len(blocks)}, "block_means": [blocks]}}
+
+    methods = {"stepquant-4": method([0.010, 0.012, 0.011, 0.013]),
+               "int6": method([0.020, 0.021, 0.022, 0.023]), "int4": method([0.050, 0.065, 0.050, 0.065])}
+    below = verdict(methods, "stepquant-4", "int6", 1.0, "below", 0.0)
+    # per-block differences -0.010, -0.009, -0.011, -0.010: mean -0.010, sample sd 0.000816 / sqrt 4
+    assert below["d"] == pytest.approx(-0.0100) and below["se"] == pytest.approx(0.000408, rel=1e-3)
+    assert below["verdict"] == "met"
+    fifth = verdict(methods, "stepquant-4", "int4", 0.2, "below", 0.0)  # paired: a_i - b_i / 5
+    assert fifth["d"] == pytest.approx(0.0, abs=1e-12) and fifth["verdict"] == "not resolvable"
+    band = verdict(methods, "stepquant-4", None, 1.0, "band", 0.005)  # +0.0115 is outside ±0.005
+    assert band["verdict"] == "missed" and band["d"] == pytest.approx(0.0115)
+    with pytest.raises(ValueError, match="no method"):
+        verdict(methods, "stepquant-6", "bf16", 1.0, "below", 0.0)
+    committed = json.loads((Path(__file__).parents[1] / "docs" / "results" / "eval.json").read_text())
+    text, results = table(committed)  # every target's methods are in the committed eval
+    assert text.count("\n") == 2 + len(TARGETS) and set(results) == set(committed["models"])

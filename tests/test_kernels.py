@@ -68,9 +68,12 @@ CONFIGS = {
     "absmax-refit1-midrise": dict(refit_iters=1, grid="midrise", row_stat="absmax"),
     "rms-refit2-midrise": dict(refit_iters=2, grid="midrise", row_stat="rms", clip=0.9),
     "default": dict(),
-    "reciprocal-refit1": dict(division="reciprocal", refit_iters=1),  # the shipped stepquant-4 plans'
+    "reciprocal-refit1": dict(division="reciprocal", refit_iters=1),  # stepquant-4 until issue 14
     "reciprocal-refit0": dict(division="reciprocal", refit_iters=0),  # the shipped stepquant-6 plans'
+    "reciprocal-refit1-midtread": dict(division="reciprocal", refit_iters=1, grid="midtread"),  # stepquant-4
     "reciprocal-refit2-midtread": dict(division="reciprocal", refit_iters=2, grid="midtread"),
+    "meanabs-refit1-midtread": dict(division="reciprocal", refit_iters=1, grid="midtread",
+                                    row_stat="mean_abs"),
 }
 
 SHAPES = {  # id: (N, H, H_k, K, V, bit choices, pivot rows, pivot head)
@@ -113,7 +116,7 @@ def test_pack_kernel_matches_codec(shape, config):
 @needs_triton_device
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("config", ["absmax-refit0-midtread", "default", "rms-refit2-midrise",
-                                    "reciprocal-refit1"])
+                                    "reciprocal-refit1", "meanabs-refit1-midtread"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_decode_kernel_matches_reference(shape, config, kda):
     num_rows, heads, q_heads, key_dim, value_dim, choices, pivot_rows, pivot_head = SHAPES[shape]

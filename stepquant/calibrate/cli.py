@@ -24,7 +24,9 @@ from stepquant.codecs.dual_axis import (
     DEFAULT_DIVISION,
     DEFAULT_GRID,
     DEFAULT_REFIT_ITERS,
+    DEFAULT_ROW_STAT,
     DIVISIONS,
+    ROW_STATS,
     DualAxisConfig,
 )
 from stepquant.families import KDA, family_for
@@ -179,6 +181,8 @@ def _unit_text(unit: dict) -> str:
 def _quantizer_options(args) -> list[str]:
     """The quantizer's options of the command line, where they differ from the defaults."""
     parts = ["--grid", args.grid] if args.grid != DEFAULT_GRID.value else []
+    if args.row_stat != DEFAULT_ROW_STAT:
+        parts += ["--row-stat", args.row_stat]
     if args.division != DEFAULT_DIVISION:
         parts += ["--division", args.division]
     if args.refit_iters != DEFAULT_REFIT_ITERS:
@@ -252,7 +256,8 @@ def _quantizer(args) -> DualAxisConfig:
     """The dual-axis quantizer the distortion table is measured with and the plans record."""
     if args.refit_iters < 0:
         raise ValueError(f"--refit-iters must be >= 0, got {args.refit_iters}")
-    return DualAxisConfig(grid=args.grid, division=args.division, refit_iters=args.refit_iters)
+    return DualAxisConfig(grid=args.grid, row_stat=args.row_stat, division=args.division,
+                          refit_iters=args.refit_iters)
 
 
 def _stats_config(args) -> StatsConfig:
@@ -514,6 +519,13 @@ def add_cli(subparsers) -> None:
         f"{DEFAULT_GRID.value}): the distortion table is measured with it and the plans record it in "
         "plan.json; with --stats the statistics must have been measured with the same grid. On KDA at "
         "4 bits midtread halved STEPQuant's excess NLL (docs/results/grid_probe_kda.md)",
+    )
+    parser.add_argument(
+        "--row-stat",
+        choices=list(ROW_STATS),
+        default=DEFAULT_ROW_STAT,
+        help=f"row statistic of the dual-axis quantizer (default {DEFAULT_ROW_STAT}); absmax and mean_abs "
+        "were within noise of rms on the shipped models (docs/eval.md section 9)",
     )
     parser.add_argument(
         "--division",

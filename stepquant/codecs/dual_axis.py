@@ -9,7 +9,8 @@ tile, and ``stepquant/kernels`` re-implements exactly this: grid, row_stat and r
 constexpr flags, and three per-row FP32 tensors come with the plan (:func:`row_factor`,
 :func:`row_gains`, :func:`refit_weights`):
 
-1. m_i  = row statistic of X row i, ``row_stat``: "absmax" (max_j |X_ij|) or "rms" (sqrt(mean_j X_ij^2)).
+1. m_i  = row statistic of X row i, ``row_stat``: "absmax" (max_j |X_ij|), "rms" (sqrt(mean_j X_ij^2)) or
+          "mean_abs" (mean_j |X_ij|, the authors' public code's choice).
 2. r_i  = fp16(clamp(sqrt(m_i) * f_i, 2^-14, 65504))   (sqrt correctly rounded), f_i = row_factor =
           w_i^(-1/2) * gain_b(i) / gain_ref(h), with gain_ref(h) the largest gain_b among the head's
           integer rows, so f_i = w_i^(-1/2) exactly (ratio 1.0) in every head whose integer rows share
@@ -47,8 +48,8 @@ mixed-plan drift probe of docs/codec_study.md, and changes nothing in heads of o
 
 FP16 pivot rows (bits 16) take no part in the fit: their values go to ``pivots``; their code is 0 and
 their row scale 1.0 (unused). A head with no integer row gets column scales 1.0 (unused).
-Row sums in "rms" and the refit are FP32 reductions, so a kernel may differ from this reference by
-FP32 summation order; with row_stat="absmax" and refit_iters=0 the result is order-independent.
+Row sums ("rms", "mean_abs") and the refit are FP32 reductions, so a kernel may differ from this reference
+by FP32 summation order; with row_stat="absmax" and refit_iters=0 the result is order-independent.
 
 Extreme values (e.g. one 1e30 in a head of O(1) values; the delta rule itself keeps a state within a sum
 of |beta| ||k|| ||v|| over the tokens, so this means extreme inputs) never give NaN or inf: the scales
@@ -87,7 +88,7 @@ from .base import (
     round_to_codes,
 )
 
-ROW_STATS = ("absmax", "rms")
+ROW_STATS = ("absmax", "rms", "mean_abs")
 BIT_WIDTHS = tuple(range(MIN_BITS, MAX_BITS + 1))  # the bit widths a clip table covers, 2..8
 
 # Defaults chosen by studies/codec_study.py on synthetic gated-delta-rule states; the table, the
@@ -127,7 +128,7 @@ class DualAxisConfig:
     """The fixed parameters of the fitting algorithm (each one a constexpr flag of the kernel).
 
     grid:        Grid.MIDTREAD or Grid.MIDRISE (or its name)
-    row_stat:    "absmax" or "rms": the row magnitude m_i
+    row_stat:    "absmax", "rms" or "mean_abs": the row magnitude m_i
     clip:        clip_b in (0, 1] for b = 2..8: a float for all bits, a {bits: clip} dict, or 7 floats
     refit_iters: number of weighted least-squares column refits, >= 0
     step_normalised_refit: weight row i's refit error by w_i^2 (gain_ref / gain_b(i))^2 instead of w_i^2,
@@ -242,6 +243,8 @@ def row_statistic(x: torch.Tensor, row_stat: str) -> torch.Tensor:
     """m_i of every key row: [N, H, K, V] -> [N, H, K]."""
     if row_stat == "absmax":
         return x.abs().amax(dim=-1)
+    if row_stat == "mean_abs":
+        return x.abs().sum(dim=-1) * (1.0 / x.shape[-1])
     return torch.sqrt((x * x).mean(dim=-1))
 
 

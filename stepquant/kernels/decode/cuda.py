@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from stepquant.codecs.base import Grid
+from stepquant.codecs.dual_axis import ROW_STATS
 from stepquant.kernels.tables import FormatTables, Pages
 
 from .naive import check_states, check_token_inputs
@@ -144,7 +145,7 @@ def defines_for(tables: FormatTables, part: str, kda: bool,
     return (("SQ_PART", PARTS[part]), ("SQ_DUAL", int(dual)),
             ("SQ_MIDRISE", int(dual and tables.grid is Grid.MIDRISE)),
             ("SQ_RECIP", int(dual and config.division == "reciprocal")),
-            ("SQ_RMS", int(config.row_stat == "rms")), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
+            ("SQ_ROW_STAT", ROW_STATS.index(config.row_stat)), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
             ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_DEBUG", int(debug)),
             *sorted(TUNING.items()))
 

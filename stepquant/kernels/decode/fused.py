@@ -35,6 +35,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from stepquant.codecs.base import Grid
+from stepquant.codecs.dual_axis import ROW_STATS
 from stepquant.kernels.tables import FormatTables, Pages
 
 from .naive import check_states, check_token_inputs
@@ -343,7 +344,7 @@ def packed_step_kernel(
     WRITEBACK: tl.constexpr,
     USE_QK_L2NORM: tl.constexpr,
     USE_DUAL_AXIS: tl.constexpr,
-    IS_RMS: tl.constexpr,
+    ROW_STAT: tl.constexpr,  # 0 absmax, 1 rms, 2 mean_abs (dual_axis.ROW_STATS)
     IS_MIDRISE: tl.constexpr,
     REFIT_ITERS: tl.constexpr,
     RECIP: tl.constexpr,
@@ -442,8 +443,10 @@ def packed_step_kernel(
                 i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
                 IS_KDA, IS_MIDRISE, USE_UPDATE, UNIFORM_BITS)
             if USE_DUAL_AXIS:
-                if IS_RMS:
+                if ROW_STAT == 1:
                     b_m = tl.sqrt_rn(tl.sum(tl.sum(b_x * b_x, 0), 1) * (1.0 / V))
+                elif ROW_STAT == 2:
+                    b_m = tl.sum(tl.sum(tl.abs(b_x), 0), 1) * (1.0 / V)
                 else:
                     b_m = tl.max(tl.max(tl.abs(b_x), 0), 1)  # [BKB]
                 b_winv = tl.load(plan_winv + i_h * K + o_r, mask=m_r, other=1.0)
@@ -602,7 +605,7 @@ def _launch_group(tables, pages, slots, heads, planes, uniform_bits, q, k, v, g,
         WRITEBACK=part in ("fused", "writeback"),
         USE_QK_L2NORM=use_qk_l2norm,
         USE_DUAL_AXIS=tables.has_col_scale,
-        IS_RMS=config.row_stat == "rms",
+        ROW_STAT=ROW_STATS.index(config.row_stat),
         IS_MIDRISE=tables.grid is Grid.MIDRISE,
         REFIT_ITERS=config.refit_iters,
         RECIP=tables.has_col_scale and config.division == "reciprocal",

@@ -39,9 +39,10 @@
 #ifndef SQ_RECIP
 #define SQ_RECIP 1  // 1 DualAxisConfig.division == "reciprocal", 0 "exact"
 #endif
-#ifndef SQ_RMS
-#define SQ_RMS 1  // row statistic: 1 rms, 0 absmax
+#ifndef SQ_ROW_STAT
+#define SQ_ROW_STAT 1  // row statistic: 0 absmax, 1 rms, 2 mean_abs (DualAxisConfig.row_stat)
 #endif
+#define SQ_ROW_SUM (SQ_ROW_STAT != 0 && SQ_DUAL)  // the row statistic is a sum (rms, mean_abs)
 #ifndef SQ_KDA
 #define SQ_KDA 0  // 1: g is [N, H, K] (a gate per key row), 0: g is [N, H]
 #endif
@@ -469,7 +470,8 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                         make_float4(x[r][0], x[r][1], x[r][2], x[r][3]);
 #pragma unroll
                 for (int c = 0; c < COLS; ++c) {
-                    if (SQ_RMS && SQ_DUAL) stat[r - r0] = __fmaf_rn(x[r][c], x[r][c], stat[r - r0]);
+                    if (SQ_ROW_SUM && SQ_ROW_STAT == 1) stat[r - r0] = __fmaf_rn(x[r][c], x[r][c], stat[r - r0]);
+                    else if (SQ_ROW_SUM) stat[r - r0] = __fadd_rn(stat[r - r0], fabsf(x[r][c]));
                     else stat[r - r0] = fmaxf(stat[r - r0], fabsf(x[r][c]));
                 }
             }
@@ -483,12 +485,12 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
 #pragma unroll
         for (int l = 0; l < 32 / LANES_PER_ROW; ++l) {
             const float t = theirs[l * ROW_PAD];
-            s = (SQ_RMS && SQ_DUAL) ? s + t : fmaxf(s, t);
+            s = SQ_ROW_SUM ? s + t : fmaxf(s, t);
         }
 #pragma unroll
         for (int m = 1; m < LANES_PER_ROW; m <<= 1) {
             const float o = __shfl_xor_sync(0xffffffffu, s, m);
-            s = (SQ_RMS && SQ_DUAL) ? s + o : fmaxf(s, o);
+            s = SQ_ROW_SUM ? s + o : fmaxf(s, o);
         }
         const int i = row0 + rho;
         if (part == 0 && row0 < K) {
@@ -497,7 +499,8 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
             float r_new = 1.f;  // pivot rows: 1 (unused, as the codec writes)
             if (b <= 8) {
                 if constexpr (SQ_DUAL) {
-                    const float m = SQ_RMS ? __fsqrt_rn(s * (1.f / V)) : s;
+                    const float m = SQ_ROW_STAT == 1 ? __fsqrt_rn(s * (1.f / V))
+                                    : SQ_ROW_STAT == 2 ? s * (1.f / V) : s;
                     r_new = fp16_scale(__fmul_rn(__fsqrt_rn(m), rp.x));
                 } else {
                     r_new = fp16_scale(__fdiv_rn(s, float((1 << (b - 1)) - 1)));
