@@ -40,13 +40,17 @@ from bench_decode import (  # noqa: E402
 )
 
 from stepquant.codecs import LayerFormat  # noqa: E402
+from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
 from stepquant.kernels.decode import cuda  # noqa: E402
 
+MIDTREAD_1 = DualAxisConfig(grid="midtread", division="reciprocal", refit_iters=1)
 CASES = [  # (model, bits, quantizer name, quantizer, part)
     *[(model, 6, "r1", RECIPROCAL_1, part) for model in ("gdn", "kda")
       for part in ("fused", "readout", "writeback")],
     *[(model, 6, "r0", RECIPROCAL_0, "fused") for model in ("gdn", "kda")],
     *[(model, 4, "r1", RECIPROCAL_1, "fused") for model in ("gdn", "kda")],
+    # the shipped stepquant-4 plans' quantizer since issue 14 (mid-tread grid): against mid-rise r1 above
+    *[(model, 4, "midtread-r1", MIDTREAD_1, "fused") for model in ("gdn", "kda")],
 ]
 
 
