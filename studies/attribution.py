@@ -289,7 +289,8 @@ def markdown(result: dict, command: str, settings: dict) -> str:
         "|---|---|---|---|---|",
     ]
     # paired differences to the pivots' uniform INT-b, or to the shipped STEPQuant@b plan for its swaps
-    swaps = any(name.startswith("stepquant+") for name in result["variants"])
+    swaps = any(name.startswith("stepquant+") or name == "stepquant-recalibrated"
+                for name in result["variants"])
     base_name = (f"int{result['bits']}" if "pivot_risk" in result
                  else f"stepquant-{result['bits']}" if swaps else None)
     base = result["variants"].get(base_name)
