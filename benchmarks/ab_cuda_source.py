@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import (  # noqa: E402
+    MIDTREAD_1,
     MODELS,
     RECIPROCAL_0,
     RECIPROCAL_1,
@@ -40,10 +41,8 @@ from bench_decode import (  # noqa: E402
 )
 
 from stepquant.codecs import LayerFormat  # noqa: E402
-from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
 from stepquant.kernels.decode import cuda  # noqa: E402
 
-MIDTREAD_1 = DualAxisConfig(grid="midtread", division="reciprocal", refit_iters=1)
 CASES = [  # (model, bits, quantizer name, quantizer, part)
     *[(model, 6, "r1", RECIPROCAL_1, part) for model in ("gdn", "kda")
       for part in ("fused", "readout", "writeback")],

@@ -98,6 +98,7 @@ HEADLINE_VARIANTS = ("cuda fused (reciprocal, 1 refit)", "cuda fused (exact, 2 r
 EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)
 RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
 RECIPROCAL_0 = DualAxisConfig(division="reciprocal", refit_iters=0)  # no refit: the c init is kept
+MIDTREAD_1 = DualAxisConfig(grid="midtread", division="reciprocal", refit_iters=1)  # stepquant-4 plans
 
 
 def make_layer(bits: torch.Tensor, spatial: str, num_slots: int, config: DualAxisConfig = EXACT_2,

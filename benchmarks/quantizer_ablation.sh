@@ -43,17 +43,12 @@ for run in $RUNS; do
     model=${run%-*} bits=${run#*-}
     refits=$([ "$bits" = 4 ] && echo 1 || echo 0)
     plans="$WORK/plans_midtread/$model-$bits"
-    if [ -n "$ONLY" ]; then
-        [ "$(left)" -gt 60 ] || { echo "out of time before attribution $run" | tee -a "$STEPS"; break; }
-        start=$SECONDS
-        timeout "$(left)" python3 -m studies.attribution --model "$model" --bits "$bits" --quick \
-            --device "$DEVICE" --no-per-layer --only "$ONLY" --tag "$TAG" --out "$OUT" \
-            > "$WORK/attribution_${run}_$TAG.log" 2>&1
-        echo "attribution $run --only $ONLY: rc $? in $((SECONDS - start)) s" | tee -a "$STEPS"
-        tail -n 1 "$WORK/attribution_${run}_$TAG.log" | tee -a "$STEPS"
-        continue
+    if [ -n "$ONLY" ]; then  # the named swaps of the shipped plans only, no recalibration
+        probe=(--only "$ONLY" --tag "$TAG") log="$WORK/attribution_${run}_$TAG.log"
+    else
+        probe=(--recalibrated "$plans") log="$WORK/attribution_$run.log"
     fi
-    if [ ! -e "$plans/stepquant-$bits/plan.json" ]; then
+    if [ -z "$ONLY" ] && [ ! -e "$plans/stepquant-$bits/plan.json" ]; then
         [ "$(left)" -gt 60 ] || { echo "out of time before calibrate $run" | tee -a "$STEPS"; break; }
         start=$SECONDS
         timeout "$(left)" python3 -m stepquant.cli calibrate --model "$model" --bits "$bits" \
@@ -65,7 +60,7 @@ for run in $RUNS; do
     [ "$(left)" -gt 60 ] || { echo "out of time before attribution $run" | tee -a "$STEPS"; break; }
     start=$SECONDS
     timeout "$(left)" python3 -m studies.attribution --model "$model" --bits "$bits" --quick \
-        --device "$DEVICE" --recalibrated "$plans" --no-per-layer --out "$OUT" > "$WORK/attribution_$run.log" 2>&1
-    echo "attribution $run: rc $? in $((SECONDS - start)) s" | tee -a "$STEPS"
-    tail -n 3 "$WORK/attribution_$run.log" | tee -a "$STEPS"
+        --device "$DEVICE" "${probe[@]}" --no-per-layer --out "$OUT" > "$log" 2>&1
+    echo "attribution $run ${probe[*]}: rc $? in $((SECONDS - start)) s" | tee -a "$STEPS"
+    tail -n 3 "$log" | tee -a "$STEPS"
 done

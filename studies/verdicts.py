@@ -19,7 +19,7 @@ import json
 import sys
 from pathlib import Path
 
-from stepquant.eval.report import mean_and_stderr
+from stepquant.eval.report import block_means, mean_and_stderr
 
 # (label, method, reference method or None, reference scale, kind, threshold): d = method - scale x reference;
 # kind "below": target d < threshold; "band": target |d| <= threshold
@@ -38,12 +38,6 @@ TARGETS = (
 )
 
 
-def _blocks(method: dict) -> list[float]:
-    def flat(x):
-        return [x] if isinstance(x, (int, float)) else [y for z in x for y in flat(z)]
-    return flat(method["excess_nll"]["block_means"])
-
-
 def verdict(methods: dict, method: str, reference: str | None, scale: float, kind: str,
             threshold: float) -> dict:
     """d, its paired standard error and the verdict of one target on one model's eval methods."""
@@ -51,8 +45,8 @@ def verdict(methods: dict, method: str, reference: str | None, scale: float, kin
     if missing:
         raise ValueError(f"the eval has no method {missing}: rerun `stepquant eval` with the default "
                          "method list")
-    a = _blocks(methods[method])
-    b = [0.0] * len(a) if reference is None else _blocks(methods[reference])
+    a = block_means(methods[method])
+    b = [0.0] * len(a) if reference is None else block_means(methods[reference])
     if len(a) != len(b) or len(a) < 2:
         raise ValueError(f"{method} and {reference}: paired differences need the same number (>= 2) of "
                          "blocks")
@@ -65,8 +59,7 @@ def verdict(methods: dict, method: str, reference: str | None, scale: float, kin
         status = "met" if margin > 0 else "missed"
         weak = abs(margin) < 2 * se
         text = f"**{status}**" + (f" (weak, {abs(margin) / se:.1f} se)" if weak else "")
-    return {"d": d, "se": se, "margin_se": margin / se if se > 0 else float("inf"), "verdict": status,
-            "text": text}
+    return {"d": d, "se": se, "verdict": status, "text": text}
 
 
 def table(record: dict) -> tuple[str, dict]:

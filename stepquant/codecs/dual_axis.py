@@ -244,7 +244,7 @@ def row_statistic(x: torch.Tensor, row_stat: str) -> torch.Tensor:
     if row_stat == "absmax":
         return x.abs().amax(dim=-1)
     if row_stat == "mean_abs":
-        return x.abs().sum(dim=-1) * (1.0 / x.shape[-1])
+        return x.abs().sum(dim=-1) * (1.0 / x.shape[-1])  # sum x (1/V), as both kernels compute it
     return torch.sqrt((x * x).mean(dim=-1))
 
 

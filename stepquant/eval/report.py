@@ -24,16 +24,20 @@ def _bytes(n: int) -> str:
     return f"{n:,}"
 
 
+def block_means(method: dict) -> list[float]:
+    """The per-block excess NLL means of one eval.json method record, stream-major, as one flat list."""
+    def flat(x):
+        return [x] if isinstance(x, (int, float)) else [y for z in x for y in flat(z)]
+    return flat(method["excess_nll"]["block_means"])
+
+
 def paired_difference(method: dict, base: dict) -> dict:
     """Excess NLL of ``method`` minus ``base`` (two method records of one eval.json model), paired over the
     eval's blocks: mean and standard error of the per-block differences, and the number of blocks.
 
     Both rows come from the same forward passes on the same streams, so the pairing removes the
     stream-to-stream and block-to-block variation the two share (docs/eval.md)."""
-    def flat(x):
-        return [x] if isinstance(x, (int, float)) else [y for z in x for y in flat(z)]
-
-    a, b = flat(method["excess_nll"]["block_means"]), flat(base["excess_nll"]["block_means"])
+    a, b = block_means(method), block_means(base)
     if len(a) != len(b) or len(a) < 2:
         raise ValueError(f"paired differences need the same number (>= 2) of blocks on both sides, got "
                          f"{len(a)} and {len(b)}: compare methods of one eval run")
