@@ -4,7 +4,9 @@ A kernel change that should win a few percent cannot be judged from two runs on 
 land on another GPU, and timings move between runs): this builds every version given (``--source
 NAME=PATH``; the working tree's packed_step.cu is "current") for the same configurations, then times them
 interleaved, round after round, at B = 512 on the benchmark's plan-shaped GDN and KDA layers (the shapes
-and inputs of bench_decode.py), and prints the median per version and its ratio to the first.
+and inputs of bench_decode.py), and prints the median per version and its ratio to the first. With
+``--fla`` it times fla's FP32 step (bench_decode's baseline) in the same rounds and prints each version's
+speedup over it, so one run gives the issue's x-factors.
 
     git show <rev>:stepquant/kernels/decode/packed_step.cu > /tmp/old.cu     # where git is at hand
     python benchmarks/ab_cuda_source.py --source old=/tmp/old.cu --out results/ab.json
@@ -26,11 +28,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_decode import (  # noqa: E402
+    KEY_DIM,
     MIDTREAD_1,
     MODELS,
     RECIPROCAL_0,
     RECIPROCAL_1,
     VALUE_DIM,
+    Fla,
     bench,
     make_layer,
     rotating,
@@ -63,6 +67,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rep", type=int, default=60)
     parser.add_argument("--jobs", type=int, default=16, help="parallel nvcc builds")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
+    parser.add_argument("--fla", action="store_true", help="time fla's FP32 step in the same rounds")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or cuda.nvcc_path() is None:
         print("needs a CUDA GPU and nvcc")
@@ -89,8 +94,24 @@ def main(argv=None) -> int:
         list(pool.map(lambda job: cuda.build(job[1], target, source=job[0]), jobs))
     print(f"built {len(jobs)} libraries in {time.time() - started:.0f} s", flush=True)
 
+    fla_steps = {}  # model -> fla's FP32 step on rotating states (bench_decode.run_fla's "fla MODEL fp32")
+    if args.fla:
+        fla = Fla()
+        if fla.error:
+            raise SystemExit(f"--fla: {fla.error}")
+        for model in ("gdn", "kda"):
+            spec = MODELS[model]
+            states = [torch.randn(args.batch, spec["heads"], KEY_DIM, VALUE_DIM, device="cuda") * 0.1
+                      for _ in range(2)]
+            prepared = fla.prepare(*token_inputs(args.batch, spec["heads"], spec["key_heads"], spec["kda"]))
+            step = lambda h, t=prepared, kda=spec["kda"]: fla.own_step(kda, h, t)  # noqa: E731
+            fla_steps[model] = rotating(step, states)
+
     times: dict = {}
+    fla_times: dict = {}
     for round_ in range(args.rounds):
+        for model, step in fla_steps.items():
+            fla_times.setdefault(model, []).append(bench(step, args.warmup, args.rep))
         for (model, bits, qname, part), (layer, _) in layers.items():
             spec = MODELS[model]
             inputs = token_inputs(args.batch, spec["heads"], spec["key_heads"], spec["kda"])
@@ -111,16 +132,24 @@ def main(argv=None) -> int:
     cuda._load.cache_clear()
 
     names = list(sources)
+    fla_ms = {model: statistics.median(ms) for model, ms in fla_times.items()}
     print(f"\nB = {args.batch}, {torch.cuda.get_device_name()}, median of {args.rounds} rounds (ms)")
-    print("| case | " + " | ".join(names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:]) + " |")
-    print("|---" * (2 * len(names)) + "|")
+    if fla_ms:
+        print("fla FP32 step: " + ", ".join(f"{model} {ms:.4f} ms" for model, ms in fla_ms.items()))
+    speedup_head = " | ".join(f"{n} x fla" for n in names) + " |" if fla_ms else ""
+    print("| case | " + " | ".join(names) + " | " + " | ".join(f"{n} / {names[0]}" for n in names[1:])
+          + " | " + speedup_head)
+    print("|---" * (2 * len(names) + (len(names) if fla_ms else 0)) + "|")
     result = {"gpu": torch.cuda.get_device_name(), "batch": args.batch, "rounds": args.rounds,
-              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {}}
+              "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {},
+              "fla_fp32_ms": {"median": fla_ms, "all": fla_times}}
     for case, per in times.items():
         med = {n: statistics.median(per[n]) for n in names}
         result["cases"][case] = {"median_ms": med, "all_ms": per}
         ratios = " | ".join(f"{med[n] / med[names[0]]:.3f}" for n in names[1:])
-        print(f"| {case} | " + " | ".join(f"{med[n]:.4f}" for n in names) + f" | {ratios} |")
+        model = case.split("@")[0]
+        speedups = " | ".join(f"{fla_ms[model] / med[n]:.2f}" for n in names) + " |" if fla_ms else ""
+        print(f"| {case} | " + " | ".join(f"{med[n]:.4f}" for n in names) + f" | {ratios} | " + speedups)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))

@@ -45,7 +45,7 @@ def main(argv=None) -> int:
                         help="key rows per warp (SQ_ROWS: 16 = 8 warps per CTA, 8 = 16 warps)")
     args = parser.parse_args(argv)
     defines = {"SQ_PART": cuda.PARTS[args.part], "SQ_DUAL": 1, "SQ_MIDRISE": 1,
-               "SQ_RECIP": int(args.division == "reciprocal"), "SQ_RMS": 1, "SQ_KDA": int(args.kda),
+               "SQ_RECIP": int(args.division == "reciprocal"), "SQ_ROW_STAT": 1, "SQ_KDA": int(args.kda),
                "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_DEBUG": 0, "SQ_ONLY_KIND": args.kind,
                "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": cuda.TUNING["SQ_MIN_BLOCKS"]}
     values_per_thread = 4 * args.rows  # a rows x 4 tile per thread

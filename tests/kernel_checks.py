@@ -137,3 +137,27 @@ def gpu_decode_case(decode, bits, key_heads, kda, num_rows, spatial="dual_axis",
     err = rel_rms(unpack(layer.gather(index)).dequantize(), debug_ref["x"])
     err_ref = rel_rms(unpack(ref.gather(index)).dequantize(), debug_ref["x"])
     assert err <= 2 * err_ref + 1e-6
+
+
+def check_decode_from_zeroed_slots(decode, kernel: PackedLayer, q_heads: int, kda: bool) -> None:
+    """A zeroed slot is the zero state (``Pages.empty``): one decode token on it gives the reference's
+    output and stored state, with no NaN (a mixed head's FP16 pivot rows once read 0 * (1 / 0) there).
+
+    ``decode(layer, slots, q, k, v, g, beta) -> y`` runs the kernel under test; every page is zeroed first.
+    """
+    from stepquant.kernels.decode import naive_packed_decode
+
+    for tensor in kernel.tensors():
+        tensor.zero_()
+    ref = clone_layer(kernel)
+    slots = torch.arange(kernel.num_slots, dtype=torch.int32, device=kernel.device)
+    q, k, v, g, beta = token_inputs(kernel.num_slots, kernel.num_heads, q_heads, kernel.key_dim,
+                                    kernel.value_dim, kda, seed=11, device=kernel.device)
+    y = decode(kernel, slots, q, k, v, g, beta)
+    y_ref = naive_packed_decode(ref, slots, q, k, v, g, beta, use_qk_l2norm=True)
+    assert bool(torch.isfinite(y).all()), "decoding a zeroed slot gave non-finite outputs"
+    assert rel_rms(y, y_ref) < 1e-5
+    index = slots.to(torch.int64)
+    state, state_ref = unpack(kernel.gather(index)).dequantize(), unpack(ref.gather(index)).dequantize()
+    assert bool(torch.isfinite(state).all())
+    assert rel_rms(state, state_ref) < 2e-3  # both quantize the same X = k u^T (scales may differ by a step)

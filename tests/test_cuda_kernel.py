@@ -17,6 +17,7 @@ import pytest
 import torch
 from kernel_checks import (
     check_against_codec,
+    check_decode_from_zeroed_slots,
     clone_layer,
     gpu_decode_case,
     make_layer,
@@ -124,6 +125,16 @@ def test_decode_matches_reference(shape, config, kda):
     err_kernel = rel_rms(unpack(kernel.gather(index)).dequantize(), debug_ref["x"])
     err_ref = rel_rms(unpack(ref.gather(index)).dequantize(), debug_ref["x"])
     assert err_kernel <= 2 * err_ref + 1e-6
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_decode_from_zeroed_slots(kda):
+    kernel, q_heads = _layer("K112-mixed-pivots", "reciprocal-refit1", num_slots=2)
+
+    def decode(layer, slots, q, k, v, g, beta):
+        return cuda.decode(layer.tables, layer.pages, slots, q, k, v, g, beta, use_qk_l2norm=True)
+
+    check_decode_from_zeroed_slots(decode, kernel, q_heads, kda)
 
 
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])

@@ -29,7 +29,14 @@ if "triton" not in sys.modules:
 
 import pytest
 import torch
-from kernel_checks import check_against_codec, clone_layer, gpu_decode_case, mixed_bits, rel_rms
+from kernel_checks import (
+    check_against_codec,
+    check_decode_from_zeroed_slots,
+    clone_layer,
+    gpu_decode_case,
+    mixed_bits,
+    rel_rms,
+)
 from kernel_checks import make_layer as _make_layer
 from kernel_checks import token_inputs as _token_inputs
 
@@ -154,6 +161,19 @@ def test_decode_kernel_matches_reference(shape, config, kda):
     err_kernel = rel_rms(unpack(kernel.gather(index)).dequantize(), x_ref)
     err_ref = rel_rms(unpack(ref.gather(index)).dequantize(), x_ref)
     assert err_kernel <= 2 * err_ref + 1e-6
+
+
+@needs_triton_device
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_decode_from_zeroed_slots(kda):
+    _, heads, q_heads, key_dim, value_dim, choices, pivot_rows, _ = SHAPES["N3-H2-K24-V20-mixed"]
+    bits = mixed_bits(heads, key_dim, choices, seed=2, pivot_rows=pivot_rows)
+    kernel = make_layer(bits, value_dim=value_dim, num_slots=2, **CONFIGS["reciprocal-refit1-midtread"])
+
+    def decode(layer, slots, q, k, v, g, beta):
+        return fused_packed_decode(layer, slots, q, k, v, g, beta, use_qk_l2norm=True)
+
+    check_decode_from_zeroed_slots(decode, kernel, q_heads, kda)
 
 
 @needs_triton_device

@@ -400,8 +400,10 @@ def packed_step_kernel(
             f_q = scale
             b_qk = b_qk * scale
         # columns past V: c = 0, so X is 0 there and takes no part in any row statistic
+        # and 1 / c = 0 where c = 0 (past V, or a zeroed slot: its pivot values, 0, read as 0 * (1 / c))
         b_c = tl.where(m_j, b_c, 0.0)
-        b_rc = tl.where(m_j, _rcp(tl.where(m_j, b_c, 1.0), APPROX_RCP), 0.0)
+        m_c = b_c > 0.0
+        b_rc = tl.where(m_c, _rcp(tl.where(m_c, b_c, 1.0), APPROX_RCP), 0.0)
     else:
         b_rc = b_c
     o_w = tl.arange(0, BK)

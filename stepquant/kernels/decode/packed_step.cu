@@ -139,7 +139,7 @@ static_assert(OWN_READOUT_BUFFER || 2 * NUM_WARPS * V <= SCRATCH, "readout parti
 
 struct Shared {
     float4 row[MAX_K];        // (a k, a q, a, k) before the L2 norms: a = r_old e^g (pivot rows: e^g)
-    float4 rowp[MAX_K];       // (row factor f, refit weight, gain, -)
+    float4 rowp[MAX_K];       // (row factor f, refit weight, gain, Width::round of the row's b)
     float2 rowq[MAX_K];       // (1/r or r, w^2 r^2) of the new row scales
     int rinfo[MAX_K];         // first word << 5 | bits
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
@@ -228,9 +228,20 @@ __device__ __forceinline__ uint32_t magic_code(const Chunks& ch) {
     return u;
 }
 
+// a level is z = 2^22 + code - level_offset(b) (mid-rise: code - 2^(b-1) + 1/2, mid-tread: code - 2^(b-1))
+__host__ __device__ constexpr float level_offset(int b) {
+    return MAGIC_LEVEL + (SQ_MIDRISE ? float(1 << (b - 1)) - 0.5f : float(1 << (b - 1)));
+}
+
+// the same from a mixed row's Width::round (MAGIC_ROUND + 2^(b-1); MAGIC_ROUND - MAGIC_LEVEL = 2^23): exact
+__device__ __forceinline__ float level_offset_from_round(float round) {
+    const float o = round - (MAGIC_ROUND - MAGIC_LEVEL);
+    return SQ_MIDRISE ? o - 0.5f : o;
+}
+
 template <int B>
 __device__ __forceinline__ void levels(const Chunks& ch, float* z) {
-    constexpr float OFF = MAGIC_LEVEL + (SQ_MIDRISE ? float(1 << (B - 1)) - 0.5f : float(1 << (B - 1)));
+    constexpr float OFF = level_offset(B);
     z[0] = __uint_as_float(magic_code<B, 0>(ch)) - OFF;
     z[1] = __uint_as_float(magic_code<B, 1>(ch)) - OFF;
     z[2] = __uint_as_float(magic_code<B, 2>(ch)) - OFF;
@@ -294,13 +305,19 @@ __device__ __forceinline__ void store_pivots(int* row, int lane, const float* x)
 // The grid constants of a b-bit row: codes are computed as w = MAGIC_ROUND + code (bits(w)'s low bits
 // are the code); folded to constants where b is known when compiled
 struct Width {
-    float offset;  // zero(b) on mid-tread, zero(b) + 1/2 on mid-rise: 2^(b-1)
+    float round;   // MAGIC_ROUND + 2^(b-1) (2^(b-1): zero(b) on mid-tread, zero(b) + 1/2 on mid-rise)
     float lo, hi;  // the grid's lowest and highest code, plus MAGIC_ROUND
 };
 
+constexpr float GRID_LO = MAGIC_ROUND + ((SQ_MIDRISE && SQ_DUAL) ? 0.0f : 1.0f);
+
 __device__ __forceinline__ Width width_of(int b) {
-    return {float(1 << (b - 1)), MAGIC_ROUND + ((SQ_MIDRISE && SQ_DUAL) ? 0.0f : 1.0f),
-            MAGIC_ROUND + float((1 << b) - 1)};
+    return {MAGIC_ROUND + float(1 << (b - 1)), GRID_LO, MAGIC_ROUND + float((1 << b) - 1)};
+}
+
+// the same from a mixed row's round constant (Shared::rowp[i].w): hi = 2 round - MAGIC_ROUND - 1, exact
+__device__ __forceinline__ Width width_from_round(float round) {
+    return {round, GRID_LO, __fmaf_rn(2.f, round, -(MAGIC_ROUND + 1.f))};
 }
 
 // one code from t = Y / c (the scaled value), as w = MAGIC_ROUND + code; clamped to the grid when CLAMP
@@ -310,10 +327,10 @@ __device__ __forceinline__ float round_code(float t, const Width& wd) {
     float w;
     if constexpr (SQ_RECIP && SQ_DUAL) {
         // floor / rint of the exact t + 2^(b-1): one add with a directed rounding mode
-        w = SQ_MIDRISE ? __fadd_rd(t, MAGIC_ROUND + wd.offset) : __fadd_rn(t, MAGIC_ROUND + wd.offset);
+        w = SQ_MIDRISE ? __fadd_rd(t, wd.round) : __fadd_rn(t, wd.round);
     } else {
         // the FP32 sum first, then floor / rint (torch: floor(t + offset), round(t + zero))
-        const float s = __fadd_rn(t, wd.offset);
+        const float s = __fadd_rn(t, wd.round - MAGIC_ROUND);  // 2^(b-1), exact
         w = (SQ_MIDRISE && SQ_DUAL) ? __fadd_rd(s, MAGIC_ROUND) : __fadd_rn(s, MAGIC_ROUND);
     }
     if constexpr (CLAMP) w = fminf(fmaxf(w, wd.lo), wd.hi);
@@ -321,8 +338,8 @@ __device__ __forceinline__ float round_code(float t, const Width& wd) {
 }
 
 __device__ __forceinline__ float level_of(float w, const Width& wd) {  // code - zero(b), exact
-    if constexpr (SQ_MIDRISE && SQ_DUAL) return (w - (MAGIC_ROUND + wd.offset)) + 0.5f;
-    else return w - (MAGIC_ROUND + wd.offset);
+    if constexpr (SQ_MIDRISE && SQ_DUAL) return (w - wd.round) + 0.5f;
+    else return w - wd.round;
 }
 
 // element i of an FP32 or BF16 input (a BF16 value is the high half of its FP32 value)
@@ -379,7 +396,7 @@ __device__ __forceinline__ void cp_async_wait_all() {
 // is then one byte permute into the FP32 bits 0x4A800000 | (code << 1) (that float is 2^22 + code) and
 // one subtraction: per value 2 instructions plus ~1/4 of the row's ~15, against one shift and one
 // mask-and-or per plane and value when the planes are merged value by value.
-__device__ __forceinline__ void levels_any(const int* row, int b, int lane, float* z) {
+__device__ __forceinline__ void levels_any(const int* row, int b, int lane, float* z, float off) {
     const uint8_t* base = reinterpret_cast<const uint8_t*>(row);
     uint32_t bytes = 0;
     int words = 0;  // the planes before this one
@@ -401,36 +418,30 @@ __device__ __forceinline__ void levels_any(const int* row, int b, int lane, floa
         bytes |= ((c1 | (c1 << 7)) & 0x01010101u) << (b & 6);
     }
     bytes <<= 1;  // 2 * code per byte (b <= 7 bits: no carry out of a byte)
-    const float off = MAGIC_LEVEL + (SQ_MIDRISE ? float(1 << (b - 1)) - 0.5f : float(1 << (b - 1)));
     z[0] = __uint_as_float(__byte_perm(bytes, 0x4A800000u, 0x7640)) - off;
     z[1] = __uint_as_float(__byte_perm(bytes, 0x4A800000u, 0x7641)) - off;
     z[2] = __uint_as_float(__byte_perm(bytes, 0x4A800000u, 0x7642)) - off;
     z[3] = __uint_as_float(__byte_perm(bytes, 0x4A800000u, 0x7643)) - off;
 }
 
-// store the codes (a byte each) of a mixed-width row of b <= 8 bits (the layout of store_codes<B>)
+// store the codes (a byte each) of a mixed-width row of b <= 8 bits (the layout of store_codes<B>). The
+// planes' byte offsets follow from b directly (the 2-bit plane after a 4-bit one, the 1-bit plane after
+// both), every chunk is computed and only the stores depend on b: no branch per plane (each cost a
+// convergence barrier and a 64-bit address of its own)
 __device__ __forceinline__ void store_codes_any(int* row, int b, int lane, uint32_t bytes) {
     uint8_t* base = reinterpret_cast<uint8_t*>(row);
-    int words = 0;
-    if (b & 8) {
+    if (b == 8) {
         reinterpret_cast<uint32_t*>(base)[lane] = bytes;
-        words += 32;
+        return;
     }
-    if (b & 4) {
-        reinterpret_cast<uint16_t*>(base + 4 * words)[lane] = uint16_t(plane_chunk<4, 0>(bytes));
-        words += 16;
-    }
-    if (b & 2) {  // plane_chunk<2, O> with O = b & ~3 known at run time
-        const int o = b & ~3;
-        base[4 * words + lane] = uint8_t(((bytes & (0x03030303u << o)) * 0x41041u) >> (o + 18));
-        words += 8;
-    }
-    if (b & 1) {  // plane_chunk<1, O>, O = b & ~1
-        const int o = b & ~1;
-        const uint32_t nib = (((bytes & (0x01010101u << o)) * 0x204081u) >> (o + 21)) & 0xFu;
-        const uint32_t pair = nib | (__shfl_xor_sync(0xffffffffu, nib, 1) << 4);  // with the odd lane's
-        if ((lane & 1) == 0) base[4 * words + (lane >> 1)] = uint8_t(pair);
-    }
+    const int o2 = b & ~3, o1 = b & ~1;  // the code bits the 2- and 1-bit planes hold start here
+    const uint32_t c4 = plane_chunk<4, 0>(bytes);
+    const uint32_t c2 = ((bytes & (0x03030303u << o2)) * 0x41041u) >> (o2 + 18);     // plane_chunk<2, o2>
+    const uint32_t c1 = (((bytes & (0x01010101u << o1)) * 0x204081u) >> (o1 + 21)) & 0xFu;  // <1, o1>
+    const uint32_t pair = c1 | (__shfl_xor_sync(0xffffffffu, c1, 1) << 4);  // with the odd lane's
+    if (b & 4) reinterpret_cast<uint16_t*>(base)[lane] = uint16_t(c4);
+    if (b & 2) base[((b & 4) << 4) + lane] = uint8_t(c2);
+    if ((b & 1) && (lane & 1) == 0) base[((b & 6) << 4) + (lane >> 1)] = uint8_t(pair);
 }
 
 // Steps 3-5 on the tile x (levels or float state in, nothing out): X, row scales, column scales, codes.
@@ -565,16 +576,19 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     constexpr bool MAY_SKIP_CLAMP = KIND && SQ_DUAL && !((SQ_CLIPPED >> KIND) & 1);  // first codes unclamped
     auto code_pass = [&]<bool FIRST, bool LAST, bool SATURATED>() {
         float num[COLS] = {0.f, 0.f, 0.f, 0.f}, den[COLS] = {0.f, 0.f, 0.f, 0.f};
+        // a warp past K skips the pass (its rows' refit weights are 0: their sums would add zeros), so the
+        // rows' stores below are unconditional and the compiler may interleave rows (a branch per row
+        // around each row's block kept them apart)
 #pragma unroll
-        for (int r = 0; r < ROWS; ++r) {
+        for (int r = 0; r < (row0 < K ? ROWS : 0); ++r) {
             const int i = row0 + r;
             if (row_pivot[r]) {
-                if (LAST && row0 < K) store_pivots(head_codes + row_offset(i), lane, x[r]);
+                if (LAST) store_pivots(head_codes + row_offset(i), lane, x[r]);
             } else {
                 const float2 rq = sm.rowq[i];
                 // heads of one width: its grid constants are known when compiled, and the first codes of a
                 // width whose clip_b is 1 cannot leave the grid (above); mixed rows clamp always
-                const Width wd = width_of(KIND ? KIND : (sm.rinfo[i] & 31));
+                const Width wd = KIND ? width_of(KIND) : width_from_round(sm.rowp[i].w);
                 constexpr bool CLAMP = SATURATED || !(FIRST && MAY_SKIP_CLAMP);
                 uint32_t code[COLS];
 #pragma unroll
@@ -592,7 +606,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                         den[c] = __fmaf_rn(wz, z, den[c]);
                     }
                 }
-                if (LAST && row0 < K) {
+                if (LAST) {
                     if constexpr (KIND) store_codes<KIND>(head_codes + row_offset(i), lane, code_bytes(code));
                     else store_codes_any(head_codes + row_offset(i), sm.rinfo[i] & 31, lane, code_bytes(code));
                 }
@@ -700,11 +714,11 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         const int i = tid;
         if (FROM_CODES && has_scales && i < K) r_old = __half2float(p.row_scale[rs_base + i]);  // pivot rows: unused
         sm.rinfo[i] = info;
-        sm.rowp[i] = make_float4(winv, w2, gain, 0.f);
+        const int b = info & 31;
+        sm.rowp[i] = make_float4(winv, w2, gain, MAGIC_ROUND + float(1 << ((b <= 8 ? b : 2) - 1)));
         sm.rowq[i] = make_float2(1.f, 0.f);
         // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1); rows past K: a = 0. k and q
         // enter before their norms (fk, fq below need every row's k and q; they scale the sums instead)
-        const int b = info & 31;
         const float a = i < K ? ((b <= 8) ? r_old : 1.f) * (FROM_CODES ? expf(eg) : 1.f) : 0.f;
         sm.row[i] = make_float4(a * k_i, a * q_i, a, k_i);
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
@@ -731,13 +745,15 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
 
     // ---- 1. levels (or the float state) and readout partials
     // k^T D S and q^T D S over the warp's rows, before the factor c_j of the integer rows: a pivot row
-    // (c = 1) enters as its values times 1 / c_j (relative error 2^-24 per term, like the sum's own)
+    // (c = 1) enters as its values times 1 / c_j (relative error 2^-24 per term, like the sum's own); a
+    // column scale of 0 (a zeroed slot, whose pivot values are 0 too) gives 1 / c_j = 0, not inf (0 * inf
+    // was NaN)
     float acc[2][COLS];
     float inv_c[COLS] = {1.f, 1.f, 1.f, 1.f};
 #pragma unroll
     for (int c = 0; c < COLS; ++c) {
         acc[0][c] = acc[1][c] = 0.f;
-        if (KIND == 0) inv_c[c] = __frcp_rn(c_old[c]);
+        if (KIND == 0) inv_c[c] = c_old[c] > 0.f ? __frcp_rn(c_old[c]) : 0.f;
     }
     const int* stage = reinterpret_cast<const int*>(sm.stage);
 #pragma unroll
@@ -745,30 +761,47 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         const int i = row0 + r;
         const int b = KIND ? KIND : (sm.rinfo[i] & 31);
         row_pivot[r] = b == 16;
-        float z[COLS];  // what the readout sums: x, or for a pivot row x / c
+        // the readout sums z = x, or for a pivot row z = x / c (inside each branch: one select per value
+        // after the branches cost a copy and a predicated multiply per value on every row)
+        auto sum_row = [&](const float* z) {
+            if constexpr (DO_READOUT) {
+                const float4 rc = sm.row[i];
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) {
+                    acc[0][c] = __fmaf_rn(rc.x, z[c], acc[0][c]);
+                    acc[1][c] = __fmaf_rn(rc.y, z[c], acc[1][c]);
+                }
+            }
+        };
         if constexpr (FROM_CODES) {
             if constexpr (KIND) {
-                levels<KIND>(load_chunks<KIND>(stage + row_offset(i), lane), x[r]);
+                // widths of two or three planes: byte spreading per row (fewer instructions per value
+                // than merging the planes value by value); one plane: the per-value merge
+                if constexpr (KIND == 5 || KIND == 7) {
+                    levels_any(stage + row_offset(i), KIND, lane, x[r], level_offset(KIND));
+                } else {
+                    levels<KIND>(load_chunks<KIND>(stage + row_offset(i), lane), x[r]);
+                }
+                sum_row(x[r]);
             } else {
                 const int* row = stage + row_offset(i);
-                if (row_pivot[r]) pivot_values(row, lane, x[r]);
-                else if (b == 8) levels<8>(load_chunks<8>(row, lane), x[r]);
-                else levels_any(row, b, lane, x[r]);
+                if (row_pivot[r]) {
+                    pivot_values(row, lane, x[r]);
+                    float z[COLS];
+#pragma unroll
+                    for (int c = 0; c < COLS; ++c) z[c] = __fmul_rn(x[r][c], inv_c[c]);
+                    sum_row(z);
+                } else {
+                    if (b == 8) levels<8>(load_chunks<8>(row, lane), x[r]);
+                    else levels_any(row, b, lane, x[r], level_offset_from_round(sm.rowp[i].w));
+                    sum_row(x[r]);
+                }
             }
         } else {
             float4 v4 = make_float4(0.f, 0.f, 0.f, 0.f);
             if (row0 < K) v4 = *reinterpret_cast<const float4*>(p.x_in + ((nh * K + i) * V + 4 * lane));
             x[r][0] = v4.x; x[r][1] = v4.y; x[r][2] = v4.z; x[r][3] = v4.w;
-        }
-#pragma unroll
-        for (int c = 0; c < COLS; ++c) z[c] = (KIND == 0 && row_pivot[r]) ? __fmul_rn(x[r][c], inv_c[c]) : x[r][c];
-        if constexpr (DO_READOUT) {
-            const float4 rc = sm.row[i];
-#pragma unroll
-            for (int c = 0; c < COLS; ++c) {
-                acc[0][c] = __fmaf_rn(rc.x, z[c], acc[0][c]);
-                acc[1][c] = __fmaf_rn(rc.y, z[c], acc[1][c]);
-            }
+            sum_row(x[r]);
         }
     }
     // the readout partials share their memory with the stage when they have no buffer of their own; the
