@@ -310,6 +310,8 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
         # (variant, spatial, quantizer, part, backend)
         todo = [("cuda fused (reciprocal, 1 refit)", "dual_axis", RECIPROCAL_1, "fused", "cuda"),
                 ("cuda fused (reciprocal, no refit)", "dual_axis", RECIPROCAL_0, "fused", "cuda"),
+                # the shipped stepquant-4 plans' quantizer (the 6-bit ones run the no-refit row above)
+                ("cuda fused (mid-tread, 1 refit)", "dual_axis", MIDTREAD_1, "fused", "cuda"),
                 ("cuda fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "cuda")]
         if bits in args.split_bits:
             todo += [("cuda fused (reciprocal, 1 refit) 16 warps", "dual_axis", RECIPROCAL_1, "fused",
