@@ -145,7 +145,7 @@ def check_decode_from_zeroed_slots(decode, kernel: PackedLayer, q_heads: int, kd
 
     ``decode(layer, slots, q, k, v, g, beta) -> y`` runs the kernel under test; every page is zeroed first.
     """
-    from stepquant.kernels.decode import naive_packed_decode
+    from stepquant.kernels.decode import naive_packed_decode  # imports triton: not at this module's top
 
     for tensor in kernel.tensors():
         tensor.zero_()

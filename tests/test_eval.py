@@ -352,3 +352,28 @@ def test_verdicts_pair_blocks_and_read_the_sides():
     committed = json.loads((Path(__file__).parents[1] / "docs" / "results" / "eval.json").read_text())
     text, results = table(committed)  # every target's methods are in the committed eval
     assert text.count("\n") == 2 + len(TARGETS) and set(results) == set(committed["models"])
+
+
+def test_horizon_windows_read_the_curves_and_pair_blocks():
+    from studies.horizon_windows import default_windows, rows, window_means
+
+    assert default_windows(3072) == [(0, 256), (768, 1024), (1792, 2048), (2816, 3072)]
+    assert default_windows(100) == [(0, 100)]
+    assert window_means([0.0, 1.0, 2.0, 3.0], [(0, 2), (2, 4)]) == [0.5, 2.5]
+    with pytest.raises(ValueError, match="inside the curve"):
+        window_means([0.0, 1.0], [(1, 3)])
+
+    def method(curve, blocks):
+        return {"curve": curve, "excess_nll": {"all": {"mean": sum(curve) / len(curve)}, "stderr": 0.0,
+                                               "block_means": [blocks]}}
+
+    record = {"models": {"m": {"methods": {"int6": method([0.0, 0.2, 0.4, 0.6], [0.1, 0.5]),
+                                            "sq": method([0.1, 0.1, 0.1, 0.1], [0.1, 0.1])}}}}
+    got = rows(record, "int6", windows=[(0, 2), (2, 4)])
+    assert got == ["| m int6 | +0.1000 | +0.5000 | +0.3000 ± 0.0000 | - |",
+                   "| m sq | +0.1000 | +0.1000 | +0.1000 ± 0.0000 | -0.2000 ± 0.2000 |"]
+    with pytest.raises(ValueError, match="no method 'bf16'"):
+        rows(record, "bf16")
+    committed = json.loads((Path(__file__).parents[1] / "docs" / "results" / "horizon_eval.json").read_text())
+    gdn_int4 = [r for r in rows(committed, None) if r.startswith("| gdn int4 |")]  # docs/eval.md section 8
+    assert gdn_int4 == ["| gdn int4 | +0.0089 | +0.0416 | +0.1240 | +0.1756 | +0.1003 ± 0.0073 |"]

@@ -399,8 +399,8 @@ def packed_step_kernel(
         else:
             f_q = scale
             b_qk = b_qk * scale
-        # columns past V: c = 0, so X is 0 there and takes no part in any row statistic
-        # and 1 / c = 0 where c = 0 (past V, or a zeroed slot: its pivot values, 0, read as 0 * (1 / c))
+        # columns past V: c = 0, so X is 0 there and takes no part in any row statistic; 1 / c = 0 wherever
+        # c = 0 (past V, or a zeroed slot, whose pivot values are 0 and are read as value * (1 / c))
         b_c = tl.where(m_j, b_c, 0.0)
         m_c = b_c > 0.0
         b_rc = tl.where(m_c, _rcp(tl.where(m_c, b_c, 1.0), APPROX_RCP), 0.0)
