@@ -2,14 +2,16 @@
 
 A kernel change that should win a few percent cannot be judged from two runs on two machines (a call may
 land on another GPU, and timings move between runs): this builds every version given (``--source
-NAME=PATH``; the working tree's packed_step.cu is "current") for the same configurations, then times them
-interleaved, round after round, at B = 512 on the benchmark's plan-shaped GDN and KDA layers (the shapes
-and inputs of bench_decode.py), and prints the median per version and its ratio to the first. With
+NAME=PATH``; the working tree's packed_step.cu is "current"; ``--variant NAME=MACRO=VALUE[,MACRO=VALUE]``
+is the current source built with other values of cuda.TUNING's macros) for the same configurations, then
+times them interleaved, round after round, at B = 512 on the benchmark's plan-shaped GDN and KDA layers
+(the shapes and inputs of bench_decode.py), and prints the median per version and its ratio to the first. With
 ``--fla`` it times fla's FP32 step (bench_decode's baseline) in the same rounds and prints each version's
 speedup over it, so one run gives the issue's x-factors.
 
     git show <rev>:stepquant/kernels/decode/packed_step.cu > /tmp/old.cu     # where git is at hand
     python benchmarks/ab_cuda_source.py --source old=/tmp/old.cu --out results/ab.json
+    python benchmarks/ab_cuda_source.py --variant warp=SQ_WARP_KINDS=1 --fla   # a compile-time switch
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
                         help="a version of packed_step.cu to time beside the current one (repeatable)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME=MACRO=VALUE[,MACRO=VALUE]",
+                        help="the current source with other values of cuda.TUNING's macros (repeatable)")
     parser.add_argument("--batch", type=int, default=512)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=10)
@@ -72,12 +76,15 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available() or cuda.nvcc_path() is None:
         print("needs a CUDA GPU and nvcc")
         return 2
-    sources = {"current": cuda.SOURCE}
+    sources = {"current": (cuda.SOURCE, {})}  # name -> (packed_step.cu, macros that replace cuda.TUNING's)
     for item in args.source:
         name, sep, path = item.partition("=")
         if not sep or not Path(path).is_file():
             raise SystemExit(f"--source {item!r}: give NAME=PATH of an existing packed_step.cu")
-        sources[name] = Path(path).resolve()
+        sources[name] = (Path(path).resolve(), {})
+    for item in args.variant:
+        sources[item.partition("=")[0]] = (cuda.SOURCE, parse_variant(item))
+    tuning = dict(cuda.TUNING)
     major, minor = torch.cuda.get_device_capability()
     target = f"{major}{minor}"
 
@@ -87,9 +94,14 @@ def main(argv=None) -> int:
         plan = synthetic_plan(model, bits, spec["heads"])
         slot_bytes = LayerFormat(plan, None, "dual_axis").bytes(VALUE_DIM)
         layer = make_layer(plan, "dual_axis", rotation_groups(args.batch * slot_bytes) * args.batch, config)
-        layers[(model, bits, qname, part)] = (layer, cuda.defines_for(layer.tables, part, spec["kda"]))
+        layers[(model, bits, qname, part)] = layer
     started = time.time()
-    jobs = [(path, defines) for path in sources.values() for _, defines in layers.values()]
+    jobs = []
+    for path, macros in sources.values():
+        cuda.TUNING.update(tuning | macros)
+        jobs += [(path, cuda.defines_for(layer.tables, part, MODELS[model]["kda"]))
+                 for (model, _, _, part), layer in layers.items()]
+    cuda.TUNING.update(tuning)
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda job: cuda.build(job[1], target, source=job[0]), jobs))
     print(f"built {len(jobs)} libraries in {time.time() - started:.0f} s", flush=True)
@@ -112,7 +124,7 @@ def main(argv=None) -> int:
     for round_ in range(args.rounds):
         for model, step in fla_steps.items():
             fla_times.setdefault(model, []).append(bench(step, args.warmup, args.rep))
-        for (model, bits, qname, part), (layer, _) in layers.items():
+        for (model, bits, qname, part), layer in layers.items():
             spec = MODELS[model]
             inputs = token_inputs(args.batch, spec["heads"], spec["key_heads"], spec["kda"])
             kwargs = dict(use_qk_l2norm=True, part=part,
@@ -122,13 +134,15 @@ def main(argv=None) -> int:
                 kwargs["work"] = torch.zeros(args.batch, spec["heads"], VALUE_DIM, device="cuda")
             call = lambda s, t=(layer.tables, layer.pages), x=inputs, kw=kwargs: cuda.decode(*t, s, *x, **kw)
             groups = slot_groups(layer.num_slots // args.batch, args.batch)
-            for name, path in sources.items():
+            for name, (path, macros) in sources.items():
                 cuda.SOURCE = path
+                cuda.TUNING.update(tuning | macros)
                 cuda._load.cache_clear()
                 ms = bench(rotating(call, groups), args.warmup, args.rep)
                 times.setdefault(f"{model}@{bits} {qname} {part}", {}).setdefault(name, []).append(ms)
         print(f"round {round_ + 1} done", flush=True)
-    cuda.SOURCE = sources["current"]
+    cuda.SOURCE = sources["current"][0]
+    cuda.TUNING.update(tuning)
     cuda._load.cache_clear()
 
     names = list(sources)
@@ -141,6 +155,8 @@ def main(argv=None) -> int:
           + " | " + speedup_head)
     print("|---" * (2 * len(names) + (len(names) if fla_ms else 0)) + "|")
     result = {"gpu": torch.cuda.get_device_name(), "batch": args.batch, "rounds": args.rounds,
+              "versions": {name: {"source": str(path), "macros": macros}
+                           for name, (path, macros) in sources.items()},
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cases": {},
               "fla_fp32_ms": {"median": fla_ms, "all": fla_times}}
     for case, per in times.items():
@@ -154,6 +170,21 @@ def main(argv=None) -> int:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=1))
     return 0
+
+
+def parse_variant(item: str) -> dict[str, int]:
+    """``NAME=MACRO=VALUE[,MACRO=VALUE]`` -> {MACRO: VALUE}; the macros must be cuda.TUNING's."""
+    name, sep, rest = item.partition("=")
+    macros = {}
+    for pair in rest.split(",") if sep else []:
+        macro, eq, value = pair.partition("=")
+        if not eq or macro not in cuda.TUNING or not value.lstrip("-").isdigit():
+            raise SystemExit(f"--variant {item!r}: give NAME=MACRO=VALUE[,MACRO=VALUE] with integer values "
+                             f"of cuda.TUNING's macros ({', '.join(cuda.TUNING)})")
+        macros[macro] = int(value)
+    if not name or not macros:
+        raise SystemExit(f"--variant {item!r}: give NAME=MACRO=VALUE[,MACRO=VALUE]")
+    return macros
 
 
 if __name__ == "__main__":

@@ -267,3 +267,35 @@ def test_gpu_kernels_refuse_bad_and_freed_slot_ids(backend):
     pool.free(ids[0])
     with pytest.raises(ValueError, match=r"slots \[0\] are not allocated"):
         decode(layer.tables, layer.pages, slots, *token)
+
+
+def test_warp_order_groups_rows_of_one_width_into_whole_warps():
+    from stepquant.kernels.tables import WARP_ROWS, FormatTables, warp_order
+
+    gen = torch.Generator().manual_seed(11)
+    widths = [2] * 16 + [3] * 16 + [4] * 9 + [5] * 16 + [6] * 13 + [7] * 16 + [8] * 22 + [PIVOT_BITS] * 4
+    bits = torch.full((4, 112), 6)
+    bits[1] = torch.tensor(widths)[torch.randperm(112, generator=gen)]
+    bits[2] = PIVOT_BITS
+    bits[3] = torch.where(torch.arange(112) % 7 < 3, 4, 5)  # 48 and 64 rows, interleaved in the layout
+    uniform = (bits == bits[:, :1]).all(dim=1) & (bits[:, 0] != PIVOT_BITS)
+    position, kinds = warp_order(bits, uniform)
+    position = position.view(4, 112).to(torch.int64)
+    for head in range(4):  # a permutation of the head's rows, and rows of one width in natural order
+        assert sorted(position[head].tolist()) == list(range(112))
+        visited = torch.argsort(position[head])
+        for b in bits[head].unique():
+            rows = visited[bits[head][visited] == b]
+            assert torch.equal(rows, rows.sort().values)
+    assert torch.equal(position[0], torch.arange(112)) and int(kinds[0]) == 0  # one width: untouched
+    assert int(kinds[2]) == 0  # FP16 pivot rows never take an integer width's body
+    warp_bits = [bits[1][torch.argsort(position[1])][w * WARP_ROWS:(w + 1) * WARP_ROWS] for w in range(7)]
+    expect = [int(g[0]) if bool((g == g[0]).all()) and int(g[0]) != PIVOT_BITS else 0 for g in warp_bits]
+    assert [(int(kinds[1]) >> (4 * w)) & 15 for w in range(7)] == expect
+    # 2, 3, 5, 7 fill whole warps; 9 + 13 + 22 + 4 = 48 rows of 4, 6, 8 and pivots take three warps, and the
+    # best order of those leaves 2 of them mixed (22 = 16 + 6 gives one more warp of 8)
+    assert sorted(k for k in expect if k) == [2, 3, 5, 7, 8] and expect.count(0) == 2
+    assert [(int(kinds[3]) >> (4 * w)) & 15 for w in range(7)] == [4, 4, 4, 5, 5, 5, 5]
+    tables = FormatTables(LayerFormat(bits.to(torch.int8), None, "dual_axis"), 128)
+    assert torch.equal(tables.row_position.view(4, 112).to(torch.int64), position)
+    assert torch.equal(tables.warp_kinds, kinds)
