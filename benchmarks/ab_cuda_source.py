@@ -12,6 +12,7 @@ speedup over it, so one run gives the issue's x-factors.
     git show <rev>:stepquant/kernels/decode/packed_step.cu > /tmp/old.cu     # where git is at hand
     python benchmarks/ab_cuda_source.py --source old=/tmp/old.cu --out results/ab.json
     python benchmarks/ab_cuda_source.py --variant warp=SQ_WARP_KINDS=1 --fla   # a compile-time switch
+    python benchmarks/ab_cuda_source.py --variant warp=SQ_WARP_KINDS=1 --build-only 90   # nvcc, no GPU
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_decode  # noqa: E402
 from bench_decode import (  # noqa: E402
     KEY_DIM,
     MIDTREAD_1,
@@ -56,6 +58,10 @@ CASES = [  # (model, bits, quantizer name, quantizer, part)
     *[(model, 4, "r1", RECIPROCAL_1, "fused") for model in ("gdn", "kda")],
     # the shipped stepquant-4 plans' quantizer since issue 14 (mid-tread grid): against mid-rise r1 above
     *[(model, 4, "midtread-r1", MIDTREAD_1, "fused") for model in ("gdn", "kda")],
+    # KDA plans allocated in 16-row groups (calibrate --row-group 16): with SQ_WARP_KINDS=1 every warp
+    # but the pivots' runs one width's body
+    ("kda", 6, "r1 g16", RECIPROCAL_1, "fused"), ("kda", 6, "r0 g16", RECIPROCAL_0, "fused"),
+    ("kda", 6, "r1 g16", RECIPROCAL_1, "readout"), ("kda", 4, "midtread-r1 g16", MIDTREAD_1, "fused"),
 ]
 
 
@@ -72,10 +78,14 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=16, help="parallel nvcc builds")
     parser.add_argument("--out", type=Path, help="write the results as JSON here")
     parser.add_argument("--fla", action="store_true", help="time fla's FP32 step in the same rounds")
+    parser.add_argument("--build-only", metavar="ARCH", help="compile every version and case for this CUDA "
+                        "architecture (e.g. 90) and stop: no GPU needed, only nvcc")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available() or cuda.nvcc_path() is None:
-        print("needs a CUDA GPU and nvcc")
+    if cuda.nvcc_path() is None or (args.build_only is None and not torch.cuda.is_available()):
+        print("needs nvcc, and a CUDA GPU unless --build-only ARCH")
         return 2
+    if args.build_only is not None:
+        bench_decode.DEVICE = "cpu"  # the layers only give their tables' compile-time macros
     sources = {"current": (cuda.SOURCE, {})}  # name -> (packed_step.cu, macros that replace cuda.TUNING's)
     for item in args.source:
         name, sep, path = item.partition("=")
@@ -85,15 +95,15 @@ def main(argv=None) -> int:
     for item in args.variant:
         sources[item.partition("=")[0]] = (cuda.SOURCE, parse_variant(item))
     tuning = dict(cuda.TUNING)
-    major, minor = torch.cuda.get_device_capability()
-    target = f"{major}{minor}"
+    target = args.build_only or "".join(map(str, torch.cuda.get_device_capability()))
 
     layers = {}
     for model, bits, qname, config, part in CASES:
         spec = MODELS[model]
-        plan = synthetic_plan(model, bits, spec["heads"])
+        plan = synthetic_plan(model, bits, spec["heads"], row_group=16 if qname.endswith("g16") else 1)
         slot_bytes = LayerFormat(plan, None, "dual_axis").bytes(VALUE_DIM)
-        layer = make_layer(plan, "dual_axis", rotation_groups(args.batch * slot_bytes) * args.batch, config)
+        slots = rotation_groups(args.batch * slot_bytes) * args.batch if args.build_only is None else 1
+        layer = make_layer(plan, "dual_axis", slots, config)
         layers[(model, bits, qname, part)] = layer
     started = time.time()
     jobs = []
@@ -105,6 +115,8 @@ def main(argv=None) -> int:
     with ThreadPoolExecutor(args.jobs) as pool:
         list(pool.map(lambda job: cuda.build(job[1], target, source=job[0]), jobs))
     print(f"built {len(jobs)} libraries in {time.time() - started:.0f} s", flush=True)
+    if args.build_only is not None:
+        return 0
 
     fla_steps = {}  # model -> fla's FP32 step on rotating states (bench_decode.run_fla's "fla MODEL fp32")
     if args.fla:
