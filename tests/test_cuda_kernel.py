@@ -52,7 +52,7 @@ def _plan(name: str) -> tuple[torch.Tensor, int]:
     if name == "K112-mixed-pivots":
         # a 6-bit head, a head with rows of every width and 4 FP16 pivot rows in random order, a pivot head,
         # a 2-bit head. Head 1's widths come in counts that leave the CUDA kernel's row order
-        # (tables.warp_order) some warps of one width (2, 3, 5, 7: the bodies compiled per width inside a
+        # (tables.warp_order) some warps of one width (2, 3, 5, 7, 8: the bodies compiled per width inside a
         # mixed head) and some of several (per-row widths, the pivots)
         bits = torch.full((4, 112), 6)
         widths = [2] * 16 + [3] * 16 + [4] * 9 + [5] * 16 + [6] * 13 + [7] * 16 + [8] * 22 + [PIVOT_BITS] * 4

@@ -20,7 +20,6 @@ stepquant.pool.PackedStatePool is one user: each of its layers holds a FormatTab
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
@@ -31,7 +30,6 @@ from stepquant.codecs import LayerFormat, dual_axis
 from stepquant.codecs.base import PIVOT_BITS, Grid
 from stepquant.codecs.packing import PLANE_WIDTHS, PackedLayout, PackedState
 
-MAX_BITS_ORDER = PIVOT_BITS + 1  # widths 0..16 index warp_order's rank table
 MAX_SLOT_WORDS = 2**26  # the row table keeps a row's first word in 27 bits (first word << 5 | bits)
 
 
@@ -146,11 +144,11 @@ def warp_order(bits: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor,
 
     The kernel's warp w holds the rows at processing positions [16w, 16w + 16). A warp whose 16 rows share
     one integer width b can run the body compiled for b (as a GDN head's warps do, SQ_WARP_KINDS); any
-    other warp branches on each row's width at run time (~1.8x the instructions per value). Rows of one
-    width are therefore placed next to each other, in their natural order: first the widths whose rows
-    fill whole warps, then the others in the order (of all their orders when there are at most 6, FP16
-    pivots included) that leaves the fewest warps with more than one width. Only the order in which the
-    kernel visits rows changes: the stored layout, the codes and the scales do not.
+    other warp branches on each row's width at run time (~1.8x the instructions per value). So each width
+    b with n_b rows first fills floor(n_b / 16) whole warps, widths in increasing order, and the rows left
+    over (and the FP16 pivot rows) share the last warps: the most warps of one width any order can give,
+    sum_b floor(n_b / 16). Rows of one width keep their natural order. Only the order in which the kernel
+    visits rows changes: the stored layout, the codes and the scales do not.
 
     Returns row_position int32 [H*K] (the position of natural row i of head h in the kernel's order;
     identity on heads of one width) and warp_kinds int32 [H] (4 bits per warp, warp w at bits 4w: b if
@@ -162,19 +160,13 @@ def warp_order(bits: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor,
     kinds = torch.zeros(heads, dtype=torch.int64)
     for head in torch.nonzero(~uniform.cpu()).flatten().tolist():
         row = bits[head].cpu().to(torch.int64)
-        count = dict(zip(*(t.tolist() for t in torch.unique(row, return_counts=True)), strict=True))
-        # widths of whole warps first (placed anywhere later they would add a mixed warp at each end)
-        whole = [b for b in count if count[b] % WARP_ROWS == 0]
-        rest = [b for b in count if count[b] % WARP_ROWS]
-
-        def mixed_warps(order, count=count):  # a boundary at s lies inside warp s // 16 unless s % 16 == 0
-            ends = list(itertools.accumulate(count[b] for b in order))[:-1]
-            return len({s // WARP_ROWS for s in ends if s % WARP_ROWS})
-
-        orders = itertools.permutations(rest) if len(rest) <= 6 else [rest]
-        rank = torch.empty(MAX_BITS_ORDER, dtype=torch.int64)
-        rank[whole + list(min(orders, key=mixed_warps))] = torch.arange(len(count))
-        order = torch.argsort(rank[row] * key_dim + torch.arange(key_dim))  # the natural row at each position
+        whole, left = [], []
+        for b in torch.unique(row).tolist():
+            rows = torch.nonzero(row == b).flatten()
+            cut = 0 if b == PIVOT_BITS else len(rows) // WARP_ROWS * WARP_ROWS
+            whole.append(rows[:cut])
+            left.append(rows[cut:])
+        order = torch.cat(whole + left)  # the natural row at each position
         position[head, order] = torch.arange(key_dim)
         for warp, group in enumerate(row[order].split(WARP_ROWS)):
             b = int(group[0])
