@@ -11,8 +11,8 @@ speedup over it, so one run gives the issue's x-factors.
 
     git show <rev>:stepquant/kernels/decode/packed_step.cu > /tmp/old.cu     # where git is at hand
     python benchmarks/ab_cuda_source.py --source old=/tmp/old.cu --out results/ab.json
-    python benchmarks/ab_cuda_source.py --variant warp=SQ_WARP_KINDS=1 --fla   # a compile-time switch
-    python benchmarks/ab_cuda_source.py --variant warp=SQ_WARP_KINDS=1 --build-only 90   # nvcc, no GPU
+    python benchmarks/ab_cuda_source.py --variant rows8=SQ_ROWS=8 --fla   # cuda.TUNING macros
+    python benchmarks/ab_cuda_source.py --variant rows8=SQ_ROWS=8 --build-only 90   # nvcc, no GPU
 """
 
 from __future__ import annotations
@@ -58,10 +58,6 @@ CASES = [  # (model, bits, quantizer name, quantizer, part)
     *[(model, 4, "r1", RECIPROCAL_1, "fused") for model in ("gdn", "kda")],
     # the shipped stepquant-4 plans' quantizer since issue 14 (mid-tread grid): against mid-rise r1 above
     *[(model, 4, "midtread-r1", MIDTREAD_1, "fused") for model in ("gdn", "kda")],
-    # KDA plans allocated in 16-row groups (calibrate --row-group 16): with SQ_WARP_KINDS=1 every warp
-    # but the pivots' runs one width's body
-    ("kda", 6, "r1 g16", RECIPROCAL_1, "fused"), ("kda", 6, "r0 g16", RECIPROCAL_0, "fused"),
-    ("kda", 6, "r1 g16", RECIPROCAL_1, "readout"), ("kda", 4, "midtread-r1 g16", MIDTREAD_1, "fused"),
 ]
 
 
@@ -100,7 +96,7 @@ def main(argv=None) -> int:
     layers = {}
     for model, bits, qname, config, part in CASES:
         spec = MODELS[model]
-        plan = synthetic_plan(model, bits, spec["heads"], row_group=16 if qname.endswith("g16") else 1)
+        plan = synthetic_plan(model, bits, spec["heads"])
         slot_bytes = LayerFormat(plan, None, "dual_axis").bytes(VALUE_DIM)
         slots = rotation_groups(args.batch * slot_bytes) * args.batch if args.build_only is None else 1
         layer = make_layer(plan, "dual_axis", slots, config)

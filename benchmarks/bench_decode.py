@@ -73,11 +73,9 @@ def log(*args) -> None:
 
 # ---------------------------------------------------------------- plans
 
-def synthetic_plan(model: str, bits: int, heads: int, seed: int = 0, row_group: int = 1) -> torch.Tensor:
+def synthetic_plan(model: str, bits: int, heads: int, seed: int = 0) -> torch.Tensor:
     """A plan [H, K] shaped like the paper's at budget ``bits`` (each FP16 pivot replaces an 8-bit unit; the
-    draw of the committed runs: accounting.synthetic.synthetic_bits draws whole models for bench_generate).
-    row_group (KDA): widths drawn per group of that many rows of a head (``calibrate --row-group``), the
-    rows then shuffled inside their head and the pivots put on random rows."""
+    draw of the committed runs: accounting.synthetic.synthetic_bits draws whole models for bench_generate)."""
     gen = torch.Generator().manual_seed(seed + bits)
     if model == "gdn":
         pivots = max(1, round(heads * GDN_PIVOT_SHARE))
@@ -89,13 +87,6 @@ def synthetic_plan(model: str, bits: int, heads: int, seed: int = 0, row_group: 
     rows = heads * KEY_DIM
     pivots = max(1, round(rows * KDA_PIVOT_SHARE))
     choices = [b for b in range(bits - 2, bits + 3) if 2 <= b <= 8]
-    if row_group > 1:
-        groups = rows // row_group
-        row_bits = spread_widths(groups, bits * groups, choices, gen).repeat_interleave(row_group)
-        shuffled = [head[torch.randperm(KEY_DIM, generator=gen)] for head in row_bits.reshape(heads, KEY_DIM)]
-        row_bits = torch.cat(shuffled)
-        row_bits[torch.randperm(rows, generator=gen)[:pivots]] = PIVOT_BITS
-        return row_bits.reshape(heads, KEY_DIM).to(torch.int8)
     row_bits = spread_widths(rows - pivots, bits * rows - 8 * pivots, choices, gen)
     row_bits = torch.cat([row_bits, torch.full((pivots,), PIVOT_BITS)])
     return row_bits[torch.randperm(rows, generator=gen)].reshape(heads, KEY_DIM).to(torch.int8)

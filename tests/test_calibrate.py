@@ -6,7 +6,6 @@ Plan files (round trip, validation, tampering) and the CLI are in tests/test_cal
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import math
 
@@ -263,71 +262,6 @@ def test_solve_allocation_matches_brute_force(costs, candidates, budget):
     assert objective == pytest.approx(best, rel=1e-12, abs=1e-12)
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_solve_allocation_with_sizes_matches_brute_force(seed):
-    costs, candidates, _ = _instance(seed)
-    gen = torch.Generator().manual_seed(100 + seed)
-    sizes = torch.randint(1, 5, (costs.shape[0],), generator=gen)
-    low, high = int(sizes.sum()) * candidates[0], int(sizes.sum()) * candidates[-1]
-    budget = int(torch.randint(low, high + 3, (1,), generator=gen))
-    chosen = solve_allocation(costs, candidates, budget, sizes=sizes)
-    column = {b: c for c, b in enumerate(candidates)}
-    objective = sum(costs[u, column[int(b)]].item() for u, b in enumerate(chosen))
-    best = min(
-        sum(costs[u, c].item() for u, c in enumerate(choice))
-        for choice in itertools.product(range(len(candidates)), repeat=costs.shape[0])
-        if sum(int(sizes[u]) * candidates[c] for u, c in enumerate(choice)) <= budget
-    )
-    assert int((sizes * chosen).sum()) <= budget
-    assert objective == pytest.approx(best, rel=1e-12, abs=1e-12)
-
-
-@pytest.mark.parametrize("seed", range(6))
-def test_row_exchange_reaches_the_best_assignment_of_two_widths(seed):
-    # with two widths the pairwise exchange is exact: against every way to give 3 of 7 rows width 1
-    from stepquant.calibrate.allocate import _exchange_rows
-
-    gen = torch.Generator().manual_seed(seed)
-    costs = torch.rand(7, 2, generator=gen, dtype=torch.float64)
-    start = torch.tensor([1, 1, 1, 0, 0, 0, 0])
-    index = _exchange_rows(costs, start)
-    assert int(index.sum()) == 3
-    best = min(sum(float(costs[r, int(r in ones)]) for r in range(7))
-               for ones in itertools.combinations(range(7), 3))
-    assert float(costs[torch.arange(7), index].sum()) == pytest.approx(best, rel=1e-12)
-
-
-def test_allocate_in_row_groups():
-    # 2 layers x 4 heads x 40 rows (40 = 2 groups of 16 + a last group of 8), 2 pivots at the default share
-    from stepquant.calibrate.allocate import check_row_groups
-
-    stats = synthetic_stats("kda", layers=(0, 1), heads=4, key_dim=40, value_dim=16, seed=2)
-    free = allocate(stats, "stepquant", 5)
-    grouped = allocate(stats, "stepquant", 5, row_group=16)
-    assert grouped.row_group == 16 and free.row_group == 1
-    assert torch.equal(allocate(stats, "stepquant", 5, row_group=1).unit_bits, free.unit_bits)
-    pivots = free.unit_bits == 16
-    assert torch.equal(grouped.unit_bits == 16, pivots) and int(pivots.sum()) == 2
-    check_row_groups(grouped.unit_bits, 16)
-    with pytest.raises(ValueError, match="not in groups of 16 rows"):
-        check_row_groups(free.unit_bits, 16)
-    for head_bits, head_pivots in zip(grouped.unit_bits.reshape(-1, 40), pivots.reshape(-1, 40),
-                                      strict=True):
-        counts = torch.bincount(head_bits[~head_pivots].to(torch.int64))
-        odd = [int(c) for c in counts if int(c) % 16]
-        assert len(odd) <= 1 and all(c % 16 == int((~head_pivots).sum()) % 16 for c in odd)
-    assert grouped.code_bits_used <= grouped.code_bits_budget == free.code_bits_budget
-    assert free.objective <= grouped.objective < grouped.uniform_objective
-    plan = build_plan(stats, grouped)
-    assert plan.row_group == 16
-    with pytest.raises(ValueError, match="do not match its row_group"):
-        dataclasses.replace(build_plan(stats, free), row_group=16)
-    # a uniform variant has nothing to group; GDN units are heads
-    assert allocate(stats, "spatial", 5, row_group=16).row_group == 1
-    with pytest.raises(ValueError, match="per-row units"):
-        allocate(synthetic_stats("gdn"), "stepquant", 5, row_group=4)
-
-
 def test_solve_allocation_block_mode_equals_single_block():
     gen = torch.Generator().manual_seed(5)
     costs = torch.rand(300, 5, generator=gen, dtype=torch.float64)
@@ -410,11 +344,9 @@ def test_allocate_reaches_the_papers_qwen_byte_counts():
      ({"pivots": 10_000}, "do not fit a 6-bit budget"),
      ({"bits": 4, "candidates": (4, 5, 6)}, "cannot give"),
      ({"candidates": (1, 4)}, "must be ints in 2..8"),
-     ({"horizon": 0}, "horizon must be a positive int"),
-     ({"row_group": 0}, r"row_group must be an int in 1..64"),
-     ({"row_group": 65}, r"row_group must be an int in 1..64")],
+     ({"horizon": 0}, "horizon must be a positive int")],
     ids=["unknown-variant", "bits-9", "nopivot-with-pivots", "too-many-pivots", "infeasible-candidates",
-         "candidate-1-bit", "horizon-0", "row-group-0", "row-group-65"],
+         "candidate-1-bit", "horizon-0"],
 )
 def test_allocate_errors(kwargs, message):
     stats = synthetic_stats("kda", layers=(0,), heads=2, key_dim=64, value_dim=16)

@@ -4,7 +4,6 @@ files, the CLI end to end on a shipped model, and the plans shipped under stepqu
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -318,27 +317,6 @@ def test_shipped_stepquant_4_plans_are_their_mid_tread_calibration(tmp_path, cap
     assert made.keys() == committed.keys() and all(torch.equal(made[k], committed[k]) for k in made)
 
 
-def test_calibrate_row_groups_on_the_shipped_kda_statistics(tmp_path, capsys):
-    # --row-group 16: each head's widths in groups of 16 rows (the CUDA kernel's warps), recorded in the
-    # plan and checked when it loads; the free plan is the shipped one
-    stats = assets.PLANS / "kda" / "stats-midtread"
-    options = ["--bits", "4", "--grid", "midtread", "--division", "reciprocal", "--refit-iters", "1"]
-    assert main(["calibrate", "--stats", str(stats), *options, "--row-group", "16", "--out", str(tmp_path),
-                 "--json"]) == 0
-    capsys.readouterr()
-    directory = tmp_path / "stepquant-4"
-    document = json.loads((directory / PLAN_JSON).read_text())
-    assert document["row_group"] == 16 and "--row-group 16" in document["calibration"]["command"]
-    plan = Plan.load(directory, model_config="kda")
-    shipped = Plan.load(assets.PLANS / "kda" / "stepquant-4", model_config="kda")
-    assert plan.row_group == 16 and shipped.row_group == 1 and "row_group" not in json.loads(
-        (assets.PLANS / "kda" / "stepquant-4" / PLAN_JSON).read_text())
-    assert torch.equal(plan.unit_bits == 16, shipped.unit_bits == 16)  # the same pivot rows
-    assert plan.accounting()["slack_bits"] >= 0 and not torch.equal(plan.unit_bits, shipped.unit_bits)
-    with pytest.raises(ValueError, match="do not match its row_group"):  # bits that a plan file's row_group
-        dataclasses.replace(plan, row_group=3)                            # does not describe are refused
-
-
 def test_a_version_2_plan_must_have_its_quantizer_block(tmp_path):
     import shutil
 
@@ -576,11 +554,9 @@ CUDA_ABSENT = pytest.mark.skipif(torch.cuda.is_available(), reason="probes a mac
      pytest.param(("--replay-device", "cuda:0"), "--replay-device cuda:0: no CUDA GPU", marks=CUDA_ABSENT),
      (("--segment-length", "64", "--snapshot-every", "128"), "--snapshot-every must be in 1..--segment-"),
      (("--exponent", "1"), "raise --omega-floor or lower --exponent"),
-     (("--dtype", "int8"), "--dtype must be one of"),
-     (("--row-group", "16"), "--row-group applies to models with per-row units (KDA)"),
-     (("--row-group", "0"), "--row-group must be >= 1")],
+     (("--dtype", "int8"), "--dtype must be one of")],
     ids=["unwritable-out", "data-typo", "data-not-utf8", "data-bad-json", "no-cuda", "no-cuda-replay",
-         "snapshot-every", "w-spread", "dtype", "row-group-gdn", "row-group-0"],
+         "snapshot-every", "w-spread", "dtype"],
 )
 def test_calibrate_checks_every_argument_before_the_model_runs(tmp_path, capsys, no_model_run, argv, message):
     paths = {name: tmp_path / file for name, file in

@@ -50,13 +50,10 @@ def _plan(name: str) -> tuple[torch.Tensor, int]:
     """bits [H, K] and the number of q/k heads of a test shape."""
     gen = torch.Generator().manual_seed(7)
     if name == "K112-mixed-pivots":
-        # a 6-bit head, a head with rows of every width and 4 FP16 pivot rows in random order, a pivot head,
-        # a 2-bit head. Head 1's widths come in counts that leave the CUDA kernel's row order
-        # (tables.warp_order) some warps of one width (2, 3, 5, 7, 8: the bodies compiled per width inside a
-        # mixed head) and some of several (per-row widths, the pivots)
+        # a 6-bit head, a head with rows of every width and 4 FP16 pivot rows, a pivot head, a 2-bit head
         bits = torch.full((4, 112), 6)
-        widths = [2] * 16 + [3] * 16 + [4] * 9 + [5] * 16 + [6] * 13 + [7] * 16 + [8] * 22 + [PIVOT_BITS] * 4
-        bits[1] = torch.tensor(widths)[torch.randperm(112, generator=gen)]
+        bits[1] = torch.randint(2, 9, (112,), generator=gen)
+        bits[1, torch.randperm(112, generator=gen)[:4]] = PIVOT_BITS
         bits[2], bits[3] = PIVOT_BITS, 2
         return bits.to(torch.int8), 2
     if name == "K48-uniform-3578":  # every plane combination with a 1-bit plane, and the 8-bit plane
@@ -66,20 +63,11 @@ def _plan(name: str) -> tuple[torch.Tensor, int]:
     raise KeyError(name)
 
 
-# "+warp-kinds": the same plan, the kernel built with SQ_WARP_KINDS=1 (warps of one width in a mixed head
-# run that width's body; off by default until timed)
-SHAPES = ["K112-mixed-pivots", "K112-mixed-pivots+warp-kinds", "K48-uniform-3578", "K128-4b"]
-
-
-@pytest.fixture(autouse=True)
-def _warp_kinds(request, monkeypatch):
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and str(callspec.params.get("shape", "")).endswith("+warp-kinds"):
-        monkeypatch.setitem(cuda.TUNING, "SQ_WARP_KINDS", 1)
+SHAPES = ["K112-mixed-pivots", "K48-uniform-3578", "K128-4b"]
 
 
 def _layer(shape: str, config: str, num_slots: int, device="cpu", spatial="dual_axis"):
-    bits, q_heads = _plan(shape.removesuffix("+warp-kinds"))
+    bits, q_heads = _plan(shape)
     return make_layer(bits, value_dim=128, num_slots=num_slots, device=device, spatial=spatial,
                       **CONFIGS[config]), q_heads
 
@@ -244,17 +232,10 @@ def test_gpu_gdn_qwen_shape(num_rows, quantizer):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("warp_kinds", [0, 1], ids=["per-row", "warp-kinds"])
 @pytest.mark.parametrize("quantizer", list(QUANTIZERS), ids=list(QUANTIZERS))
-def test_gpu_kda_kimi_shape(quantizer, warp_kinds, monkeypatch):
-    # heads 0-15: a random width per row; heads 16-31: widths in counts of 16 (whole warps of one width
-    # in the kernel's row order, as in the shipped plans); 26 FP16 pivot rows anywhere
-    monkeypatch.setitem(cuda.TUNING, "SQ_WARP_KINDS", warp_kinds)
+def test_gpu_kda_kimi_shape(quantizer):
     gen = torch.Generator().manual_seed(13)
     bits = torch.randint(4, 9, (32, 128), generator=gen)
-    grouped = torch.tensor([4] * 32 + [5] * 16 + [6] * 48 + [7] * 16 + [8] * 16)
-    for head in range(16, 32):
-        bits[head] = grouped[torch.randperm(128, generator=gen)]
     bits.view(-1)[torch.randperm(32 * 128, generator=gen)[:26]] = PIVOT_BITS
     _gpu_case(bits.to(torch.int8), 32, True, 256, **QUANTIZERS[quantizer])
 

@@ -32,7 +32,6 @@ import torch
 
 from stepquant.accounting import PIVOT_REPLACES_BITS, default_pivots, max_pivots
 from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS
-from stepquant.families import get_family
 
 from .stats import BIT_WIDTHS, CalibrationStats
 
@@ -109,17 +108,15 @@ def lifetime_weights(mean_log_retention: torch.Tensor, horizon: int = DEFAULT_HO
 
 
 def solve_allocation(
-    costs: torch.Tensor, candidates, budget: int, *, sizes=None, max_cells: int = 1 << 26
+    costs: torch.Tensor, candidates, budget: int, *, max_cells: int = 1 << 26
 ) -> torch.Tensor:
-    """Exact min_c sum_u costs[u, c_u]  s.t.  sum_u s_u candidates[c_u] <= budget  (multiple-choice knapsack).
+    """Exact min_c sum_u costs[u, c_u]  s.t.  sum_u candidates[c_u] <= budget  (multiple-choice knapsack).
 
     costs [U, C] (finite, float64 arithmetic) for the sorted candidate widths; budget: an int, the bits per
-    value summed over units; sizes [U]: positive ints s_u, how many budget units each unit is (default 1:
-    a group of s_u rows that share one width counts s_u times). Returns the chosen widths [U] (int64).
-    Dynamic programming over the spare bits e = sum_u s_u (b_u - min B) <= E: F_u(e) = min_c
-    F_{u-1}(e - s_u (b_c - min B)) + costs[u, c] with F_0 = 0 ("at most" E). Ties go to the narrower
-    width. The argmin table is kept for blocks of units of at most ``max_cells`` cells, value rows at
-    block boundaries, so memory stays bounded.
+    value summed over units. Returns the chosen widths [U] (int64). Dynamic programming over the spare
+    bits e = sum_u (b_u - min B) <= E: F_u(e) = min_c F_{u-1}(e - (b_c - min B)) + costs[u, c] with
+    F_0 = 0 ("at most" E). Ties go to the narrower width. The argmin table is kept for blocks of units
+    of at most ``max_cells`` cells, value rows at block boundaries, so memory stays bounded.
     """
     candidates = check_candidates(candidates)
     if not isinstance(costs, torch.Tensor) or costs.dim() != 2 or costs.shape[1] != len(candidates):
@@ -131,22 +128,15 @@ def solve_allocation(
     if isinstance(budget, bool) or not isinstance(budget, int):
         raise TypeError(f"budget must be an int (bits per value summed over units), got {budget!r}")
     num_units, lowest = costs.shape[0], candidates[0]
-    if sizes is None:
-        size = [1] * num_units
-    else:
-        size = torch.as_tensor(sizes).tolist()
-        if len(size) != num_units or not all(isinstance(n, int) and n >= 1 for n in size):
-            raise ValueError(f"sizes must be {num_units} positive ints (one per unit of costs)")
     if num_units == 0:
         return torch.zeros(0, dtype=torch.int64)
-    total = sum(size)
-    if budget < total * lowest:
+    if budget < num_units * lowest:
         raise ValueError(
-            f"budget {budget} bits cannot give {total} units the narrowest candidate "
-            f"{lowest} bits ({total * lowest} needed); widen the candidate set or lower the pivots"
+            f"budget {budget} bits cannot give {num_units} units the narrowest candidate "
+            f"{lowest} bits ({num_units * lowest} needed); widen the candidate set or lower the pivots"
         )
     extra = [b - lowest for b in candidates]  # spare bits of each candidate
-    spare = min(budget - total * lowest, total * extra[-1])
+    spare = min(budget - num_units * lowest, num_units * extra[-1])
     width = spare + 1
     block = max(1, min(num_units, max_cells // width))
 
@@ -155,7 +145,6 @@ def solve_allocation(
         best = torch.full_like(row, math.inf)
         choice = torch.zeros(width, dtype=torch.uint8)
         for c, e in enumerate(extra):
-            e *= size[unit]
             if e > spare:
                 break
             shifted = torch.full_like(row, math.inf)
@@ -196,110 +185,8 @@ def solve_allocation(
         for u in range(stop - 1, start - 1, -1):
             c = int(choices[u - start, remaining])
             chosen[u] = candidates[c]
-            remaining -= extra[c] * size[u]
+            remaining -= extra[c]
     return chosen
-
-
-def solve_row_groups(costs: torch.Tensor, candidates, budget: int, heads: torch.Tensor, row_group: int,
-                     rounds: int = 8) -> torch.Tensor:
-    """solve_allocation with the rows of each head in groups of ``row_group`` that share one width.
-
-    costs [U, C] as in solve_allocation over the integer rows; heads [U]: each row's head. Alternates two
-    steps that never raise the objective, from the free allocation, for at most ``rounds`` rounds:
-    (1) order each head's rows by their current width (a width whose count is not a multiple of
-    ``row_group`` last), then by what the next width up would save, cut them into consecutive groups of
-    ``row_group`` (a head's last group holds the K - P mod ``row_group`` rows left beside its P pivots) and
-    let the knapsack choose one width per group over the groups' summed costs, exactly (the current widths
-    are one of its choices once they come in groups); (2) with each head's count of each width fixed,
-    exchange pairs of rows between two widths while that lowers the cost (:func:`_exchange_rows`). So every
-    width but one per head comes in multiples of ``row_group`` rows: the CUDA kernel's warps of 16 rows then
-    each run one width's body (tables.warp_order, SQ_WARP_KINDS). A local optimum under that constraint,
-    not a proven global one.
-    """
-    num_units = costs.shape[0]
-    if num_units == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    candidates = check_candidates(candidates)
-    costs = costs.detach().to("cpu", torch.float64)
-    heads = torch.as_tensor(heads).to(torch.int64)
-    rows = torch.arange(num_units)
-    index = torch.searchsorted(torch.tensor(candidates), solve_allocation(costs, candidates, budget))
-    best = None
-    for _ in range(rounds):
-        index = _grouped_knapsack(costs, candidates, budget, heads, index, row_group)
-        for head in heads.unique():
-            members = torch.nonzero(heads == head).flatten()
-            index[members] = _exchange_rows(costs[members], index[members])
-        objective = float(costs[rows, index].sum())
-        if best is not None and objective >= best * (1 - 1e-12):
-            break
-        best = objective
-    return torch.tensor(candidates)[index]
-
-
-def _grouped_knapsack(costs, candidates, budget, heads, index, row_group) -> torch.Tensor:
-    """Step (1) of solve_row_groups: the candidate index of each row after one grouped knapsack."""
-    num_units, num_columns = costs.shape
-    rows = torch.arange(num_units)
-    above = torch.clamp(index + 1, max=num_columns - 1)
-    up_saving = costs[rows, index] - costs[rows, above]
-    # a width whose count in its head is not a multiple of the group goes last: it holds the short group
-    pair = heads * num_columns + index
-    count = torch.bincount(pair, minlength=int(pair.max()) + 1)[pair]
-    short = (count % row_group != 0).to(torch.int64)
-    order = torch.argsort(up_saving, stable=True)
-    for key in (index, short, heads):  # the last key sorted by is the primary one
-        order = order[torch.argsort(key[order], stable=True)]
-    _, counts = torch.unique_consecutive(heads[order], return_counts=True)
-    starts = torch.cumsum(counts, 0) - counts
-    rank = rows - torch.repeat_interleave(starts, counts)  # position inside the head
-    head_groups = -(-counts // row_group)
-    first_group = torch.repeat_interleave(torch.cumsum(head_groups, 0) - head_groups, counts)
-    group = torch.empty(num_units, dtype=torch.int64)
-    group[order] = first_group + rank // row_group
-    num_groups = int(head_groups.sum())
-    group_costs = torch.zeros(num_groups, num_columns, dtype=torch.float64).index_add_(0, group, costs)
-    sizes = torch.bincount(group, minlength=num_groups)
-    widths = solve_allocation(group_costs, candidates, budget, sizes=sizes)
-    return torch.searchsorted(torch.tensor(candidates), widths)[group]
-
-
-def _exchange_rows(costs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """Rows of one head (costs [n, C], candidate index [n]) with the count of each index kept: swap the
-    indices of two rows of indices a != b while that lowers sum costs[r, index[r]] (a 2-exchange local
-    optimum of the transportation problem; each swap takes the pair that gains most)."""
-    index = index.clone()
-    improved = True
-    while improved:
-        improved = False
-        for a in index.unique().tolist():
-            for b in index.unique().tolist():
-                if a >= b:
-                    continue
-                while True:  # moving r from a to b changes its cost by delta[r]; the pair gains -(d_r + d'_s)
-                    in_a, in_b = torch.nonzero(index == a).flatten(), torch.nonzero(index == b).flatten()
-                    to_b = costs[in_a, b] - costs[in_a, a]
-                    to_a = costs[in_b, a] - costs[in_b, b]
-                    r, s = int(torch.argmin(to_b)), int(torch.argmin(to_a))
-                    if float(to_b[r] + to_a[s]) >= -1e-15 * float(costs.abs().max()):
-                        break
-                    index[in_a[r]], index[in_b[s]] = b, a
-                    improved = True
-    return index
-
-
-def check_row_groups(bits: torch.Tensor, row_group: int) -> None:
-    """Raise unless each head's integer widths (bits [..., K], FP16 pivot rows aside) come in multiples of
-    ``row_group`` rows, but for one width per head that also holds the head's last, smaller group."""
-    flat = bits.reshape(-1, bits.shape[-1]).to(torch.int64)
-    for head, row in enumerate(flat):
-        integer = row[row != PIVOT_BITS]
-        _, counts = torch.unique(integer, return_counts=True)
-        left = int(integer.numel()) % row_group
-        odd = [int(c) for c in counts if int(c) % row_group]
-        if not (odd == [] or (len(odd) == 1 and odd[0] % row_group == left)):
-            raise ValueError(f"head {head} (flattened over layers) has width counts {counts.tolist()}: not "
-                             f"in groups of {row_group} rows; the plan's bits do not match its row_group")
 
 
 def select_pivots(risk: torch.Tensor, count: int) -> torch.Tensor:
@@ -327,7 +214,6 @@ class Allocation:
     candidates: tuple[int, ...]
     horizon: int
     pivots: int
-    row_group: int
     unit_bits: torch.Tensor
     lifetime: torch.Tensor
     risk: torch.Tensor
@@ -352,16 +238,13 @@ def allocate(
     pivots: int | None = None,
     candidates=None,
     horizon: int = DEFAULT_HORIZON,
-    row_group: int = 1,
 ) -> Allocation:
     """Bits per unit for ``variant`` at the nominal budget ``bits`` (b̄), from calibration statistics.
 
     pivots: FP16 pivot units for variants with pivots (default: the paper's share, 1.39% of GDN heads /
     0.625% of KDA key rows, rounded half up and capped at what the budget pays for); must be 0 or None for
     "temporal-nopivot" and "spatial". candidates: bit widths (default b̄-2..b̄+2 within 2..8).
-    horizon: H of the lifetime weights, tokens. row_group: KDA only, the rows of each head share their
-    width in groups of this many (:func:`solve_row_groups`; 16 lets every warp of the CUDA kernel run one
-    width's body); 1 (default) allocates each row freely.
+    horizon: H of the lifetime weights, tokens.
     """
     if not isinstance(stats, CalibrationStats):
         raise TypeError(f"stats must be a CalibrationStats, got {type(stats).__name__}")
@@ -387,11 +270,6 @@ def allocate(
             raise ValueError(f"variant {spec.name!r} is uniform {bits} bits; it takes no candidate set")
         candidates = (bits,)
     candidates = default_candidates(bits) if candidates is None else check_candidates(candidates)
-    if isinstance(row_group, bool) or not isinstance(row_group, int) or not 1 <= row_group <= stats.key_dim:
-        raise ValueError(f"row_group must be an int in 1..{stats.key_dim} (rows per head), got {row_group!r}")
-    if row_group > 1 and get_family(stats.family).unit_is_head:
-        raise ValueError(f"row_group applies to per-row units (KDA); a {stats.family} unit is a whole head, "
-                         "whose rows already share one width")
 
     distortion = stats.distortion(spec.spatial)  # [*unit, 7]
     lifetime = lifetime_weights(stats.mean_log_retention, horizon)  # [*unit]
@@ -404,12 +282,7 @@ def allocate(
     flat_cost = (lifetime[..., None] * distortion).reshape(stats.num_units, len(BIT_WIDTHS))
     costs = flat_cost[integer_units][:, columns]  # [U - P, C]
     budget = bits * stats.num_units - PIVOT_REPLACES_BITS * pivots  # bits per value summed over units
-    row_group = row_group if spec.mixed else 1  # a uniform variant has nothing to group
-    if row_group == 1:
-        flat_bits[integer_units] = solve_allocation(costs, candidates, budget)
-    else:
-        heads = integer_units // stats.key_dim
-        flat_bits[integer_units] = solve_row_groups(costs, candidates, budget, heads, row_group)
+    flat_bits[integer_units] = solve_allocation(costs, candidates, budget)
 
     chosen = flat_bits[integer_units]
     objective = float(flat_cost[integer_units, chosen - MIN_BITS].sum())
@@ -421,7 +294,6 @@ def allocate(
         candidates=candidates,
         horizon=horizon,
         pivots=pivots,
-        row_group=row_group,
         unit_bits=flat_bits.reshape(stats.unit_shape).to(torch.int8),
         lifetime=lifetime,
         risk=risk,

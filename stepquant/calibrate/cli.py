@@ -224,8 +224,6 @@ def _plan_command(args, variant: str, bits: int) -> str:
         parts += ["--pivots", str(args.pivots)]
     if args.candidates:
         parts += ["--candidates", args.candidates]
-    if args.row_group != 1:
-        parts += ["--row-group", str(args.row_group)]
     if args.stats:
         parts += _quantizer_options(args)
     parts += ["--out", shlex.quote(str(args.out))]
@@ -346,15 +344,6 @@ def run_calibrate(args: argparse.Namespace) -> int:
     lifetime_weights(torch.zeros(1), args.horizon)
     if args.pivots is not None and args.pivots < 0:
         raise ValueError(f"--pivots must be >= 0, got {args.pivots}")
-    if args.row_group < 1:
-        raise ValueError(f"--row-group must be >= 1 (rows of a KDA head that share one width), got "
-                         f"{args.row_group}")
-    if args.row_group > 1 and args.stats is None:
-        from stepquant.models import model_type
-
-        if family_for(model_type(args.model)).unit_is_head:
-            raise ValueError(f"--row-group applies to models with per-row units (KDA); {args.model} "
-                             "allocates whole heads, whose rows already share one width")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
     from stepquant.cli import check_output_dir
@@ -381,8 +370,9 @@ def run_calibrate(args: argparse.Namespace) -> int:
         for bits in bits_list:
             pivots = args.pivots if VARIANTS[variant].pivots else None
             plan_candidates = candidates if VARIANTS[variant].mixed else None
-            allocation = allocate(stats, variant, bits, pivots=pivots, candidates=plan_candidates,
-                                  horizon=args.horizon, row_group=args.row_group)
+            allocation = allocate(
+                stats, variant, bits, pivots=pivots, candidates=plan_candidates, horizon=args.horizon
+            )
             plan = build_plan(stats, allocation, command=_plan_command(args, variant, bits),
                               quantizer=_quantizer(args))
             directory = plan.save(out / f"{variant}-{bits}")
@@ -469,13 +459,6 @@ def add_cli(subparsers) -> None:
         "--candidates",
         default=None,
         help="candidate bit widths, e.g. '4,5,6,7,8' (default b̄-2..b̄+2 within 2..8)",
-    )
-    parser.add_argument(
-        "--row-group",
-        type=int,
-        default=1,
-        help="KDA: the key rows of each head share their width in groups of this many (16: every warp of "
-        "the CUDA kernel runs one width's body, docs/calibration.md); default 1, each row free",
     )
     parser.add_argument(
         "--exponent",

@@ -53,7 +53,7 @@ from stepquant.codecs.base import MAX_BITS, MIN_BITS, PIVOT_BITS
 from stepquant.codecs.dual_axis import DualAxisConfig
 from stepquant.families import ModelShape, family_for, shape_from_config
 
-from .allocate import VARIANTS, Allocation, check_row_groups, get_variant
+from .allocate import VARIANTS, Allocation, get_variant
 from .files import canonical, sha256, write_directory, write_file
 from .quantizer import quantizer_from_json, quantizer_to_json
 from .stats import BIT_WIDTHS, STATS_FILE, CalibrationStats, ModelFields, half_life_census, stats_run_id
@@ -172,7 +172,6 @@ class Plan(ModelFields):
     calibration: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     quantizer: DualAxisConfig = field(default_factory=DualAxisConfig)
-    row_group: int = 1  # KDA: rows of a head share their width in groups of this many (allocate.row_group)
     formats: tuple[LayerFormat, ...] = field(init=False, repr=False)  # one per layer, from bits and w
 
     def __post_init__(self) -> None:
@@ -210,11 +209,6 @@ class Plan(ModelFields):
         )
         if found != self.pivots:
             raise ValueError(f"pivots={self.pivots} but the bits mark {found} FP16 pivot units")
-        if (isinstance(self.row_group, bool) or not isinstance(self.row_group, int)
-                or not 1 <= self.row_group <= self.key_dim):
-            raise ValueError(f"row_group must be an int in 1..{self.key_dim}, got {self.row_group!r}")
-        if self.row_group > 1:
-            check_row_groups(torch.stack(self.bits), self.row_group)
         unit = self.unit_shape
         for name, shape in (
             ("half_lives", unit),
@@ -307,7 +301,6 @@ class Plan(ModelFields):
             "pivots": self.pivots,
             "candidates": list(self.candidates),
             "horizon": self.horizon,
-            **({"row_group": self.row_group} if self.row_group > 1 else {}),  # absent: 1 (older plans too)
             "quantizer": quantizer_to_json(self.quantizer),
             "bits_format": (
                 "per layer: bits of each head, 16 = FP16 pivot head"
@@ -430,7 +423,6 @@ class Plan(ModelFields):
             calibration=document.get("calibration", {}),
             summary=document.get("summary", {}),
             quantizer=quantizer_from_json(document.get("quantizer"), json_path),
-            row_group=document.get("row_group", 1),
         )
         _check_run_id(plan, directory)
         if model_config is not None:
@@ -699,7 +691,6 @@ def build_plan(stats: CalibrationStats, allocation: Allocation, *, command: str 
         calibration=calibration,
         summary=plan_summary(stats, allocation),
         quantizer=quantizer,
-        row_group=allocation.row_group,
     )
 
 

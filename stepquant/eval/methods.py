@@ -115,8 +115,7 @@ def load_plan(path: str | Path, model_config=None):
 
 
 def plan_method(plan, name: str, linear_layers: list[int]) -> Method:
-    """A Method from a loaded plan: codec(i) of linear layer i, labelled "<Variant>@<bits>" (with " g<G>" for
-    a plan allocated in row groups of G, calibrate --row-group)."""
+    """A Method from a loaded plan: codec(i) of linear layer i, labelled "<Variant>@<bits>"."""
     plan_layers = [int(i) for i in plan.linear_layers]
     if plan_layers != list(linear_layers):
         raise ValueError(f"plan {name!r} covers linear-attention layers {plan_layers}, the model has "
@@ -124,8 +123,6 @@ def plan_method(plan, name: str, linear_layers: list[int]) -> Method:
     variant = getattr(plan, "variant", None)
     budget = getattr(plan, "budget_bits", None)
     label = f"{LABELS.get(variant, variant or name)}@{budget:g}" if budget is not None else name
-    if getattr(plan, "row_group", 1) > 1:
-        label += f" g{plan.row_group}"
     codecs = {layer: plan.codec(i) for i, layer in enumerate(linear_layers)}
     return Method(name, label, codecs, plan)
 

@@ -41,9 +41,7 @@ class FormatTables:
     row_table int32 [H*K]: first word << 5 | bits (Triton, CUDA); head_table int32 [H, 2]: scale slot,
     flags = plane widths used | 32 if every row of the head has one integer width (Triton);
     head_info int32 [H, 4]: (b if every row of the head has integer width b else 0, scale slot, first
-    word of the head in a slot, words of the head) (CUDA); row_position int32 [H*K] and warp_kinds int32
-    [H]: the CUDA kernel's row order inside a mixed-width head (:func:`warp_order`; identity and 0 on
-    heads of one width); the FP32 factors of dual_axis.fit_dual_axis,
+    word of the head in a slot, words of the head) (CUDA); the FP32 factors of dual_axis.fit_dual_axis,
     bit for bit: row_winv = row_factor (w^(-1/2) times the head's gain ratio), row_w2 = the refit
     weight (0 for pivot rows), row_gain = clip_b / qmax_b (0 for pivot rows); planes: the plane widths
     present anywhere in the layer (the kernels compile only those paths); head_groups: the Triton
@@ -62,8 +60,6 @@ class FormatTables:
     row_table: torch.Tensor = field(init=False, repr=False)
     head_table: torch.Tensor = field(init=False, repr=False)
     head_info: torch.Tensor = field(init=False, repr=False)
-    row_position: torch.Tensor = field(init=False, repr=False)
-    warp_kinds: torch.Tensor = field(init=False, repr=False)
     row_winv: torch.Tensor = field(init=False, repr=False)
     row_w2: torch.Tensor = field(init=False, repr=False)
     row_gain: torch.Tensor = field(init=False, repr=False)
@@ -102,9 +98,6 @@ class FormatTables:
         kind = torch.where(uniform, bits[:, 0], 0)
         set_("head_info", put(torch.stack([kind, scale_slot, starts, head_words], 1).to(torch.int32))
              .view(fmt.num_heads, 4))
-        position, kinds = warp_order(fmt.bits, uniform)
-        set_("row_position", put(position))
-        set_("warp_kinds", put(kinds))
         set_("row_winv", put(dual_axis.row_factor(fmt.w, fmt.bits, fmt.config)))
         set_("row_w2", put(dual_axis.refit_weights(fmt.w, fmt.bits, fmt.config)))
         set_("row_gain", put(dual_axis.row_gains(fmt.bits, fmt.config)))
@@ -134,46 +127,6 @@ class FormatTables:
     @property
     def grid(self) -> Grid:
         return self.format.grid
-
-
-WARP_ROWS = 16  # key rows of one warp of the CUDA kernel (its default SQ_ROWS)
-
-
-def warp_order(bits: torch.Tensor, uniform: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The CUDA kernel's processing order of the key rows of each mixed-width head (KDA).
-
-    The kernel's warp w holds the rows at processing positions [16w, 16w + 16). A warp whose 16 rows share
-    one integer width b can run the body compiled for b (as a GDN head's warps do, SQ_WARP_KINDS); any
-    other warp branches on each row's width at run time (~1.8x the instructions per value). So each width
-    b with n_b rows first fills floor(n_b / 16) whole warps, widths in increasing order, and the rows left
-    over (and the FP16 pivot rows) share the last warps: the most warps of one width any order can give,
-    sum_b floor(n_b / 16). Rows of one width keep their natural order. Only the order in which the kernel
-    visits rows changes: the stored layout, the codes and the scales do not.
-
-    Returns row_position int32 [H*K] (the position of natural row i of head h in the kernel's order;
-    identity on heads of one width) and warp_kinds int32 [H] (4 bits per warp, warp w at bits 4w: b if
-    the warp's rows all have integer width b, 0 for per-row widths; 0 for heads of one width, which take
-    the head's own body).
-    """
-    heads, key_dim = bits.shape
-    position = torch.arange(key_dim, dtype=torch.int64).repeat(heads, 1)
-    kinds = torch.zeros(heads, dtype=torch.int64)
-    for head in torch.nonzero(~uniform.cpu()).flatten().tolist():
-        row = bits[head].cpu().to(torch.int64)
-        whole, left = [], []
-        for b in torch.unique(row).tolist():
-            rows = torch.nonzero(row == b).flatten()
-            cut = 0 if b == PIVOT_BITS else len(rows) // WARP_ROWS * WARP_ROWS
-            whole.append(rows[:cut])
-            left.append(rows[cut:])
-        order = torch.cat(whole + left)  # the natural row at each position
-        position[head, order] = torch.arange(key_dim)
-        for warp, group in enumerate(row[order].split(WARP_ROWS)):
-            b = int(group[0])
-            if len(group) == WARP_ROWS and bool((group == b).all()) and b != PIVOT_BITS:
-                kinds[head] |= b << (4 * warp)
-    kinds = torch.where(kinds >= 2**31, kinds - 2**32, kinds)  # the 32 bits as an int32
-    return position.reshape(-1).to(torch.int32), kinds.to(torch.int32)
 
 
 def _head_groups(bits: torch.Tensor, head_planes: torch.Tensor, same: torch.Tensor,

@@ -51,10 +51,8 @@ def _rows_per_warp() -> int:
 
 # tuning knobs compiled into the library (benchmarks/bench_decode.py times alternatives): CTAs per
 # multiprocessor the registers must allow, key rows per warp (16: 8 warps per CTA, a 16 x 4 register tile per
-# thread; 8: 16 warps, 8 x 4; STEPQUANT_CUDA_ROWS overrides the default), and whether a warp of a mixed-width
-# head whose rows share one width runs that width's body (1, 16 rows per warp only; tables.warp_order).
-# SQ_WARP_KINDS stays 0 until timed: benchmarks/ab_cuda_source.py --variant warp=SQ_WARP_KINDS=1 does it
-TUNING = {"SQ_MIN_BLOCKS": 2, "SQ_ROWS": _rows_per_warp(), "SQ_WARP_KINDS": 0}
+# thread; 8: 16 warps, 8 x 4; STEPQUANT_CUDA_ROWS overrides the default)
+TUNING = {"SQ_MIN_BLOCKS": 2, "SQ_ROWS": _rows_per_warp()}
 
 
 class _Params(ctypes.Structure):
@@ -62,7 +60,7 @@ class _Params(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "q", "k", "v", "g", "beta", "x_in", "y", "work", "slots", "codes", "row_scale", "col_scale",
-        "heads", "row_info", "row_winv", "row_w2", "row_gain", "row_pos", "warp_kinds", "dbg_x", "dbg_c")] + [
+        "heads", "row_info", "row_winv", "row_w2", "row_gain", "dbg_x", "dbg_c")] + [
         ("scale", ctypes.c_float), ("slot_words", ctypes.c_longlong), ("group_magic", ctypes.c_ulonglong),
         ("H", ctypes.c_int), ("HQ", ctypes.c_int), ("K", ctypes.c_int), ("num_scaled", ctypes.c_int),
         ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int)]
@@ -194,7 +192,6 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
         slots=_ptr(slots), codes=_ptr(pages.codes), row_scale=_ptr(pages.row_scale),
         col_scale=_ptr(pages.col_scale), heads=_ptr(tables.head_info), row_info=_ptr(tables.row_table),
         row_winv=_ptr(tables.row_winv), row_w2=_ptr(tables.row_w2), row_gain=_ptr(tables.row_gain),
-        row_pos=_ptr(tables.row_position), warp_kinds=_ptr(tables.warp_kinds),
         dbg_x=_ptr(dbg_x), dbg_c=_ptr(dbg_c), scale=scale, slot_words=tables.words_per_slot,
         H=heads, HQ=key_heads, K=key_dim, group_magic=-(-(1 << 32) // (heads // key_heads)),
         num_scaled=tables.num_scaled_heads, l2norm=int(use_qk_l2norm),

@@ -58,15 +58,6 @@
 #ifndef SQ_ROWS
 #define SQ_ROWS 16  // key rows per warp: 16 (8 warps, a 16 x 4 tile per thread) or 8 (16 warps, 8 x 4)
 #endif
-#ifndef SQ_WARP_KINDS
-#define SQ_WARP_KINDS 0  // 1 (SQ_ROWS 16 only): in a mixed head a warp whose rows share one width runs its body
-#endif
-#if SQ_WARP_KINDS && SQ_ROWS != 16
-#error "SQ_WARP_KINDS needs SQ_ROWS 16 (tables.warp_order groups rows by 16)"
-#endif
-#ifndef SQ_ONLY_MIXED
-#define SQ_ONLY_MIXED 0  // with SQ_ONLY_KIND: count the body a warp of one width runs inside a mixed head
-#endif
 #ifndef SQ_CLIPPED
 #define SQ_CLIPPED 0x1C  // bit b set: clip_b < 1, codes of the first pass need the clamp
 #endif
@@ -93,8 +84,6 @@ struct Params {
     const float* row_winv;  // [H*K]: dual_axis.row_factor
     const float* row_w2;    // [H*K]: dual_axis.refit_weights
     const float* row_gain;  // [H*K]: dual_axis.row_gains
-    const int* row_pos;     // [H*K]: a row's position in the CUDA order of its head (tables.warp_order)
-    const int* warp_kinds;  // [H]: 4 bits per warp of a mixed head: b if its rows all have width b, else 0
     float* dbg_x;           // [N, H, K, V] or null: X before requantizing
     float* dbg_c;           // [N, H, V] or null: the column scales the stored codes were computed against
     float scale;            // q scale (after the optional L2 norm)
@@ -153,7 +142,6 @@ struct Shared {
     float4 rowp[MAX_K];       // (row factor f, refit weight, gain, Width::round of the row's b)
     float2 rowq[MAX_K];       // (1/r or r, w^2 r^2) of the new row scales
     int rinfo[MAX_K];         // first word << 5 | bits
-    uint8_t rnat[MAX_K];      // the natural index of the row at each position (mixed heads: warp_order)
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
     float red[12];
     float readout[OWN_READOUT_BUFFER ? 2 * NUM_WARPS * V : 1];  // readout partials [k or q][warp][V]
@@ -457,7 +445,7 @@ __device__ __forceinline__ void store_codes_any(int* row, int b, int lane, uint3
 }
 
 // Steps 3-5 on the tile x (levels or float state in, nothing out): X, row scales, column scales, codes.
-template <int KIND, bool MIXED>
+template <int KIND>
 __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&x)[ROWS][COLS],
                                            const bool (&row_pivot)[ROWS], const float (&c_old)[COLS],
                                            float fk, long long nh, int* slot_codes, long long rs_base,
@@ -465,8 +453,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int K = p.K;
     const int row0 = warp * ROWS;
-    auto row_offset = [&](int i) { return (KIND && !MIXED) ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
-    auto natural = [&](int i) { return MIXED ? int(sm.rnat[i]) : i; };  // the row's index in the layout
+    auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
     int* head_codes = slot_codes + head.z;
 
     // ---- 3. X = D S + k u^T (in place), row statistic -> new row scales
@@ -490,7 +477,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                     }
                 }
                 if (SQ_DEBUG && row0 < K)
-                    *reinterpret_cast<float4*>(p.dbg_x + ((nh * K + natural(i)) * V + 4 * lane)) =
+                    *reinterpret_cast<float4*>(p.dbg_x + ((nh * K + i) * V + 4 * lane)) =
                         make_float4(x[r][0], x[r][1], x[r][2], x[r][3]);
 #pragma unroll
                 for (int c = 0; c < COLS; ++c) {
@@ -530,7 +517,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                     r_new = fp16_scale(__fdiv_rn(s, float((1 << (b - 1)) - 1)));
                 }
             }
-            if (has_scales) p.row_scale[rs_base + natural(i)] = __float2half_rn(r_new);
+            if (has_scales) p.row_scale[rs_base + i] = __float2half_rn(r_new);
             const float w2r2 = __fmul_rn(__fmul_rn(rp.y, r_new), r_new);
             sm.rowq[i] = make_float2((SQ_RECIP && SQ_DUAL) ? __frcp_rn(r_new) : r_new, w2r2);
         }
@@ -559,11 +546,6 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                 colmax[c] = KIND ? fmaxf(colmax[c], fabsf(x[r][c])) : fmaxf(colmax[c], __fmul_rn(fabsf(x[r][c]), gain));
             }
         }
-        if constexpr (KIND && MIXED) {  // a warp of one width in a mixed head: max(|Y|) gain, as below
-            const float gain = sm.rowp[row0].z;
-#pragma unroll
-            for (int c = 0; c < COLS; ++c) colmax[c] = __fmul_rn(colmax[c], gain);
-        }
         float* part = sm.scratch + COLMAX_AT;  // apart from the row partials other warps may still read
         *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(colmax[0], colmax[1], colmax[2], colmax[3]);
         __syncthreads();
@@ -574,7 +556,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
 #pragma unroll
             for (int w = 0; w < NUM_WARPS; ++w) m = fmaxf(m, part[w * V + j]);
             // one width per head: max(|Y| gain) = max(|Y|) gain (gain > 0 and rounding is monotone)
-            if constexpr (KIND && !MIXED) m = __fmul_rn(m, sm.rowp[0].z);
+            if constexpr (KIND) m = __fmul_rn(m, sm.rowp[0].z);
             const float c0 = fp16_scale(m);
             over = m > FP16_MAX;
             sm.col[2][j] = c0;
@@ -673,10 +655,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     }
 }
 
-// KIND 2..8: every row of the warp has KIND bits; 0: per-row widths (and FP16 pivot rows). MIXED: the head's
-// rows have several widths (its rows are visited in tables.warp_order's order: each warp's rows at
-// positions 16w.., sm.rnat their natural indices); else every warp of the head runs head_step<KIND, false>
-template <int KIND, bool MIXED>
+template <int KIND>  // 2..8: every row of the head has KIND bits; 0: per-row widths (and FP16 pivot rows)
 __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long slot, int4 head) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int K = p.K;
@@ -687,9 +666,9 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     const long long rs_base = (slot * p.num_scaled + hs) * (long long)K;
     const long long cs_base = (slot * p.num_scaled + hs) * (long long)V;
     const long long nh = (long long)n * p.H + h;
-    const int row0 = warp * ROWS;  // this warp's first key row (position, in a mixed head)
+    const int row0 = warp * ROWS;  // this warp's first key row
     // where row i starts, in words from the head's first word (heads of one width: a fixed stride)
-    auto row_offset = [&](int i) { return (KIND && !MIXED) ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
+    auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
 
     // ---- 0. every global input of the step is loaded here, before the first barrier, so that the CTA
     // waits on global memory once. First what does not depend on the slot id (in flight while it arrives):
@@ -698,7 +677,6 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     // refit weight 0 keeps them out of the fit, a valid width keeps their (unused) levels finite; nothing
     // of theirs is stored.
     float k_i = 0.f, q_i = 0.f, eg = 1.f, r_old = 1.f, winv = 1.f, w2 = 0.f, gain = 0.f;  // row threads
-    int pos = tid;  // where the row thread's row is visited (mixed heads: tables.warp_order)
     int info = (head.z << 5) | (KIND ? KIND : 2);
     float v_j = 0.f, beta = 0.f;  // column threads (v_j: u in the split writeback)
     if (tid < MAX_K) {
@@ -709,7 +687,6 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
                 q_i = load_in(p.q, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 1);
             }
             info = p.row_info[h * K + i];
-            if (MIXED) pos = p.row_pos[h * K + i];
             if (FROM_CODES) eg = load_in(p.g, SQ_KDA ? nh * K + i : nh, p.bf16_mask & 8);
             winv = p.row_winv[h * K + i];
             w2 = p.row_w2[h * K + i];
@@ -736,15 +713,14 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     if (tid < MAX_K) {
         const int i = tid;
         if (FROM_CODES && has_scales && i < K) r_old = __half2float(p.row_scale[rs_base + i]);  // pivot rows: unused
-        sm.rinfo[pos] = info;
-        sm.rnat[pos] = uint8_t(i);
+        sm.rinfo[i] = info;
         const int b = info & 31;
-        sm.rowp[pos] = make_float4(winv, w2, gain, MAGIC_ROUND + float(1 << ((b <= 8 ? b : 2) - 1)));
-        sm.rowq[pos] = make_float2(1.f, 0.f);
+        sm.rowp[i] = make_float4(winv, w2, gain, MAGIC_ROUND + float(1 << ((b <= 8 ? b : 2) - 1)));
+        sm.rowq[i] = make_float2(1.f, 0.f);
         // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1); rows past K: a = 0. k and q
         // enter before their norms (fk, fq below need every row's k and q; they scale the sums instead)
         const float a = i < K ? ((b <= 8) ? r_old : 1.f) * (FROM_CODES ? expf(eg) : 1.f) : 0.f;
-        sm.row[pos] = make_float4(a * k_i, a * q_i, a, k_i);
+        sm.row[i] = make_float4(a * k_i, a * q_i, a, k_i);
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
     } else if (column_thread(tid)) {
@@ -823,8 +799,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             }
         } else {
             float4 v4 = make_float4(0.f, 0.f, 0.f, 0.f);
-            const int at = MIXED ? int(sm.rnat[i]) : i;  // the row's index in the layout
-            if (row0 < K) v4 = *reinterpret_cast<const float4*>(p.x_in + ((nh * K + at) * V + 4 * lane));
+            if (row0 < K) v4 = *reinterpret_cast<const float4*>(p.x_in + ((nh * K + i) * V + 4 * lane));
             x[r][0] = v4.x; x[r][1] = v4.y; x[r][2] = v4.z; x[r][3] = v4.w;
             sum_row(x[r]);
         }
@@ -869,7 +844,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         __syncthreads();
     }
     if constexpr (DO_WRITEBACK) {
-        requantize<KIND, MIXED>(p, sm, x, row_pivot, c_old, fk, nh, slot_codes, rs_base, cs_base, has_scales, head);
+        requantize<KIND>(p, sm, x, row_pivot, c_old, fk, nh, slot_codes, rs_base, cs_base, has_scales, head);
     }
 }
 
@@ -879,37 +854,18 @@ __global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(con
     const int slot = p.slots[n];  // -1: a free batch row (head_step returns before its first barrier)
     const int4 head = reinterpret_cast<const int4*>(p.heads)[h];  // (kind, scale slot, first word, words)
 #ifdef SQ_ONLY_KIND  // one body alone, for offline instruction counts (benchmarks/sass_cuda.py)
-    head_step<SQ_ONLY_KIND, SQ_ONLY_MIXED>(p, sm, n, h, slot, head);
+    head_step<SQ_ONLY_KIND>(p, sm, n, h, slot, head);
     return;
 #endif
     switch (head.x) {
-        case 2: head_step<2, false>(p, sm, n, h, slot, head); break;
-        case 3: head_step<3, false>(p, sm, n, h, slot, head); break;
-        case 4: head_step<4, false>(p, sm, n, h, slot, head); break;
-        case 5: head_step<5, false>(p, sm, n, h, slot, head); break;
-        case 6: head_step<6, false>(p, sm, n, h, slot, head); break;
-        case 7: head_step<7, false>(p, sm, n, h, slot, head); break;
-        case 8: head_step<8, false>(p, sm, n, h, slot, head); break;
-        default:
-            if (head.y < 0) { head_step<0, false>(p, sm, n, h, slot, head); break; }  // a GDN pivot head
-#if SQ_WARP_KINDS
-            // a mixed head: each warp runs the body of its rows' width, or the per-row body. The warps of
-            // one CTA then run different code between the same barriers, which bar.sync allows (it
-            // counts threads, not instructions: every path has the same barriers in the same order)
-            switch ((p.warp_kinds[h] >> (4 * (threadIdx.x >> 5))) & 15) {
-                case 2: head_step<2, true>(p, sm, n, h, slot, head); break;
-                case 3: head_step<3, true>(p, sm, n, h, slot, head); break;
-                case 4: head_step<4, true>(p, sm, n, h, slot, head); break;
-                case 5: head_step<5, true>(p, sm, n, h, slot, head); break;
-                case 6: head_step<6, true>(p, sm, n, h, slot, head); break;
-                case 7: head_step<7, true>(p, sm, n, h, slot, head); break;
-                case 8: head_step<8, true>(p, sm, n, h, slot, head); break;
-                default: head_step<0, true>(p, sm, n, h, slot, head); break;
-            }
-#else
-            head_step<0, false>(p, sm, n, h, slot, head);
-#endif
-            break;
+        case 2: head_step<2>(p, sm, n, h, slot, head); break;
+        case 3: head_step<3>(p, sm, n, h, slot, head); break;
+        case 4: head_step<4>(p, sm, n, h, slot, head); break;
+        case 5: head_step<5>(p, sm, n, h, slot, head); break;
+        case 6: head_step<6>(p, sm, n, h, slot, head); break;
+        case 7: head_step<7>(p, sm, n, h, slot, head); break;
+        case 8: head_step<8>(p, sm, n, h, slot, head); break;
+        default: head_step<0>(p, sm, n, h, slot, head); break;
     }
 }
 
