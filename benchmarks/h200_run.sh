@@ -4,8 +4,8 @@
 # runs the CUDA kernel's GPU tests, the benchmark, the serving GPU tests, ncu on the CUDA kernel and the
 # Triton kernel's GPU tests, in that order (each step time-boxed: *_TIMEOUT variables), and leaves logs
 # and results in $OUT (default benchmarks/results): env.txt, build_cuda.log, gpu_tests.log, bench.log,
-# bench_decode.json, bench_decode.md, ncu.txt (NO_NCU=1 skips; NO_BENCH=1 stops after the kernel tests;
-# NO_TRITON_TESTS=1 skips the last step). About 10 minutes in all. After the serving tests, the whole-model
+# bench_decode.json, bench_decode.md, ncu_gdn.txt and ncu_kda.txt (benchmarks/ncu_run.sh; NO_NCU=1 skips;
+# NO_BENCH=1 stops after the kernel tests; NO_TRITON_TESTS=1 skips the last step). About 10 minutes in all. After the serving tests, the whole-model
 # step (issue 13): the calibrate / eval CUDA-vs-CPU test (tests/test_gpu_cli.py, gpu_cli_tests.log), the
 # CUDA-graph decode test (tests/test_gpu_generate.py, gpu_generate_tests.log) and
 # benchmarks/bench_generate.py (greedy decode of production-shape random-weight models per state format,
@@ -109,11 +109,7 @@ fi
 [ -n "${NO_GENERATE:-}" ] || generate_step
 
 if command -v ncu > /dev/null && [ -z "${NO_NCU:-}" ]; then
-    echo "== ncu: readout, writeback, fused (8 and 16 warps) launches at B = 512 (benchmarks/ncu_step.py)"
-    timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --section SpeedOfLight --section Occupancy --section LaunchStats \
-        --section WarpStateStats --section SchedulerStats -k regex:packed_step_kernel --launch-skip 3 \
-        --launch-count 5 python3 benchmarks/ncu_step.py > "$OUT/ncu.txt" 2>&1
-    echo "ncu exit $? (report: $OUT/ncu.txt)"
+    bash benchmarks/ncu_run.sh  # ncu_gdn.txt, ncu_kda.txt (SASS=1: the source counters too)
 fi
 [ -n "${NO_TRITON_TESTS:-}" ] || gpu_tests tests/test_kernels.py "${TRITON_TEST_TIMEOUT:-200}"
 exit "$status"
