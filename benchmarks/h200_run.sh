@@ -5,9 +5,9 @@
 # Triton kernel's GPU tests, in that order (each step time-boxed: *_TIMEOUT variables), and leaves logs
 # and results in $OUT (default benchmarks/results): env.txt, build_cuda.log, gpu_tests.log, bench.log,
 # bench_decode.json, bench_decode.md, ncu_gdn.txt and ncu_kda.txt (benchmarks/ncu_run.sh; NO_NCU=1 skips;
-# NO_BENCH=1 stops after the kernel tests; NO_TRITON_TESTS=1 skips the last step). About 10 minutes in all. After the serving tests, the whole-model
-# step (issue 13): the calibrate / eval CUDA-vs-CPU test (tests/test_gpu_cli.py, gpu_cli_tests.log), the
-# CUDA-graph decode test (tests/test_gpu_generate.py, gpu_generate_tests.log) and
+# NO_BENCH=1 stops after the kernel tests; NO_TRITON_TESTS=1 skips the last step). About 10 minutes in all.
+# After the serving tests, the whole-model step (issue 13): the calibrate / eval CUDA-vs-CPU test
+# (tests/test_gpu_cli.py, gpu_cli_tests.log), the CUDA-graph decode test (tests/test_gpu_generate.py, gpu_generate_tests.log) and
 # benchmarks/bench_generate.py (greedy decode of production-shape random-weight models per state format,
 # capacity by allocation vs the model): generate.log, bench_generate.{json,md,png}; NO_GENERATE=1 skips it,
 # GENERATE_TIME_LIMIT (its --time-limit: 170 s, or with ONLY_GENERATE what is left of CALL_SECONDS, 585 s,

@@ -14,19 +14,20 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
 command -v ncu > /dev/null || { echo "ncu not found"; exit 2; }
+profile() {  # ncu options..., then the launches of benchmarks/ncu_step.py for $model
+    timeout ${NCU_TIMEOUT:-150} ncu --clock-control none -k regex:packed_step_kernel "$@" \
+        python3 benchmarks/ncu_step.py $([ "$model" = kda ] && echo kda)
+}
 for model in ${NCU_MODELS:-gdn kda}; do
-    arg=$([ "$model" = kda ] && echo kda || true)
-    echo "== ncu sections, $model: readout, writeback, fused r1, fused r0 (benchmarks/ncu_step.py $arg)"
-    timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --section SpeedOfLight --section Occupancy \
-        --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
-        --section InstructionStats --section MemoryWorkloadAnalysis_Tables -k regex:packed_step_kernel \
-        --launch-skip 4 --launch-count 4 python3 benchmarks/ncu_step.py $arg > "$OUT/ncu_$model.txt" 2>&1
+    echo "== ncu sections, $model: readout, writeback, fused r1, fused r0"
+    profile --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
+        --section SchedulerStats --section ComputeWorkloadAnalysis --section InstructionStats \
+        --section MemoryWorkloadAnalysis_Tables --launch-skip 4 --launch-count 4 > "$OUT/ncu_$model.txt" 2>&1
     echo "ncu exit $? ($OUT/ncu_$model.txt)"
     [ -n "${SASS:-}" ] || continue
     echo "== ncu source counters, $model: fused r1, fused r0"
-    timeout ${NCU_TIMEOUT:-150} ncu --clock-control none --section SourceCounters -k regex:packed_step_kernel \
-        --launch-skip 6 --launch-count 2 --page source --print-source sass --csv \
-        python3 benchmarks/ncu_step.py $arg > "/tmp/ncu_${model}_sass.csv" 2> "$OUT/ncu_${model}_sass.err"
+    profile --section SourceCounters --launch-skip 6 --launch-count 2 --page source --print-source sass --csv \
+        > "/tmp/ncu_${model}_sass.csv" 2> "$OUT/ncu_${model}_sass.err"
     echo "ncu exit $?"
     python3 benchmarks/ncu_sass_summary.py "/tmp/ncu_${model}_sass.csv" > "$OUT/ncu_${model}_sass.txt" 2>&1
     echo "summary exit $? ($OUT/ncu_${model}_sass.txt)"
