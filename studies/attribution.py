@@ -9,6 +9,10 @@ loop) on diagnostic variants built from a model's calibrated plans at one budget
   one knob changed at a time (midtread grid, w = 1, the plain w^2 refit, no refit, no clipping, absmax row
   statistic);
 - with ``--heads-of-layer L``: STEPQuant@b and temporal only@b on each head of layer L on its own;
+- with ``--memory``: how much the model reads its recurrent state (issue 14 item 0): the state zeroed at the
+  prefill/decode boundary (every unit; the long-lived quarter), units made memoryless (zeroed at every
+  store: every unit, and each lifetime class by the calibrated half-life rank within its layer), and
+  INT-b on one lifetime class only with FP16 elsewhere;
 - with ``--pivots``: what FP16 pivots can protect. Uniform INT-b (rowwise absmax) everywhere, with the
   P units of highest calibrated risk lambda_u d_u(b) (P = the plan's pivot count, the paper's share),
   the top 4P and the top 16P stored as FP16 instead, the 16P lowest-risk units as a control, and 16P
@@ -18,8 +22,10 @@ loop) on diagnostic variants built from a model's calibrated plans at one budget
 
     python -m studies.attribution --model kda --bits 4 --quick --out docs/results
     python -m studies.attribution --model gdn --bits 4 --quick --pivots --out docs/results
+    python -m studies.attribution --model kda --bits 4 --quick --memory --out docs/results
 
-Writes attribution_<model>_<bits>[_pivots].json and .md into --out, prints the table and one JSON line last.
+Writes attribution_<model>_<bits>[_pivots|_memory].json and .md into --out, prints the table and one JSON
+line last.
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ from pathlib import Path
 
 import torch
 
+from stepquant.analysis.mechanisms import lifetime_classes
 from stepquant.cli import check_device
 from stepquant.codecs import Grid, MixedCodec, make_codec
-from stepquant.codecs.base import MIN_BITS, PIVOT_BITS
+from stepquant.codecs.base import MIN_BITS, PIVOT_BITS, Codec, as_fp32
 from stepquant.data import segments as cut_segments
 from stepquant.eval.methods import DEFAULT_PLANS_DIR, load_plan, plan_path
 from stepquant.eval.probe import drift_probe
@@ -222,9 +229,78 @@ def pivot_variants(plans: dict, linear_layers: list[int], bits: int) -> list[tup
     return variants
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class ZeroUnits(Codec):
+    """Diagnostic state format (--memory): FP32, with the units where ``keep`` [H, K] is 0 stored as zeros.
+
+    once=False zeroes them at every store (each such unit holds only the current token's write: no memory);
+    once=True only at the first store, the prefill/decode boundary (the units forget the prompt, then run
+    in FP32). Not a compression format: it measures how much the next tokens depend on the state."""
+
+    keep: torch.Tensor
+    once: bool = False
+    name: str = "zero-units"
+
+    @property
+    def carries_residual(self) -> bool:  # once: later stores go through requantize (no zeroing)
+        return self.once
+
+    def encode(self, states: torch.Tensor) -> torch.Tensor:
+        return as_fp32(states) * self.keep.to(states.device, torch.float32)[None, :, :, None]
+
+    def requantize(self, states: torch.Tensor, previous) -> torch.Tensor:
+        return as_fp32(states).clone() if self.once else self.encode(states)
+
+    def decode(self, encoded: torch.Tensor) -> torch.Tensor:
+        return encoded
+
+    def storage_bits(self, num_heads: int, key_dim: int, value_dim: int, *, analytical: bool = False) -> int:
+        return 32 * num_heads * key_dim * value_dim
+
+
+LIFETIME_CLASSES = ("short", "middle", "long")  # lifetime_classes: lowest quarter, middle half, top quarter
+
+
+def memory_variants(plans: dict, linear_layers: list[int], bits: int) -> list[tuple[str, str, dict]]:
+    """How much the model reads its recurrent state (see the module docstring); lifetime classes from the
+    temporal plan's calibrated half-lives, ranked within each layer (a GDN head or a KDA key row per unit)."""
+    plan = plans["temporal"]
+    shape = torch.stack(list(plan.bits)).shape  # [L, H, K]
+    classes = lifetime_classes(plan.half_lives)  # [L, H] (GDN) or [L, H, K] (KDA)
+    if classes.dim() == 2:
+        classes = classes[..., None].expand(shape)
+    layers = list(enumerate(linear_layers))
+
+    def zero(selected: torch.Tensor, once: bool) -> dict:
+        return {layer: ZeroUnits(keep=(~selected[i]).float(), once=once) for i, layer in layers}
+
+    def int_on(selected: torch.Tensor) -> dict:
+        table = torch.where(selected, bits, PIVOT_BITS).to(torch.int8)
+        return {layer: MixedCodec(bits=table[i], spatial="absmax") for i, layer in layers}
+
+    every, long = torch.ones(shape, dtype=torch.bool), classes == 2
+    variants = [
+        (f"int{bits}", f"INT{bits} rowwise absmax, every unit",
+         dict.fromkeys(linear_layers, make_codec(f"int{bits}"))),
+        ("forget-prompt", "every unit zeroed at the prefill/decode boundary, FP32 after", zero(every, True)),
+        ("forget-prompt-long", "the long-lived quarter zeroed at the boundary, FP32 after", zero(long, True)),
+        ("memoryless", "every unit zeroed at every store (the attention layers keep the context)",
+         zero(every, False)),
+    ]
+    for c, label in enumerate(LIFETIME_CLASSES):
+        what = "middle half" if label == "middle" else f"{label}-lived quarter"
+        variants.append((f"memoryless-{label}", f"the {what} of each layer zeroed at every store, FP32 else",
+                         zero(classes == c, False)))
+    for c, label in enumerate(LIFETIME_CLASSES):
+        what = "middle half" if label == "middle" else f"{label}-lived quarter"
+        variants.append((f"int{bits}-{label}", f"INT{bits} rowwise absmax on the {what}, FP16 elsewhere",
+                         int_on(classes == c)))
+    return variants
+
+
 def run_attribution(model_name: str, bits: int, *, prefill: int, decode: int, window: int, segments: int,
                     data: list[str], plans_dir: Path, threads: int,
-                    heads_of_layer: int | None = None, pivots: bool = False,
+                    heads_of_layer: int | None = None, pivots: bool = False, memory: bool = False,
                     recalibrated_dir: Path | None = None, per_layer: bool = True,
                     device: str = "cpu", only: list[str] | None = None) -> dict:
     torch.set_num_threads(threads)
@@ -237,6 +313,8 @@ def run_attribution(model_name: str, bits: int, *, prefill: int, decode: int, wi
     variants = [("fp32", "FP32 reference", dict.fromkeys(linear_layers, make_codec("fp32")))]
     if pivots:
         variants += pivot_variants(plans, linear_layers, bits)
+    elif memory:
+        variants += memory_variants(plans, linear_layers, bits)
     elif heads_of_layer is None:
         variants += diagnostic_variants(plans, linear_layers, bits, recalibrated, per_layer)
     else:
@@ -348,6 +426,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="instead of the standard variants: INT-b with FP16 pivots on the top P / 4P / "
                              "16P units by calibrated risk and on the 16P lowest-risk units, plus the risk "
                              "tables")
+    parser.add_argument("--memory", action="store_true",
+                        help="instead of the standard variants: how much the model reads its state "
+                             "(units zeroed at the boundary or at every store, by lifetime class; INT-b "
+                             "on one class)")
     parser.add_argument("--no-per-layer", action="store_true",
                         help="leave out the one-layer-only rows (the quantizer swaps only: half the time)")
     parser.add_argument("--only", default=None, metavar="NAMES",
@@ -357,10 +439,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="appended to the file stem (attribution_<model>_<bits>[_swaps]_<tag>)")
     parser.add_argument("--out", default="eval_results")
     args = parser.parse_args(argv)
-    if args.pivots and args.heads_of_layer is not None:
-        parser.error("give --pivots or --heads-of-layer, not both")
-    if args.recalibrated is not None and (args.pivots or args.heads_of_layer is not None):
-        parser.error("--recalibrated adds to the standard variants: not with --pivots or --heads-of-layer")
+    if args.pivots + args.memory + (args.heads_of_layer is not None) > 1:
+        parser.error("give one of --pivots, --memory and --heads-of-layer")
+    if args.recalibrated is not None and (args.pivots or args.memory or args.heads_of_layer is not None):
+        parser.error("--recalibrated adds to the standard variants: not with --pivots, --memory or "
+                     "--heads-of-layer")
     try:
         check_device(args.device)
     except ValueError as err:
@@ -373,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run_attribution(args.model, args.bits, prefill=prefill, decode=decode, window=args.window,
                              segments=args.segments, data=data, plans_dir=Path(args.plans_dir),
                              threads=args.threads, heads_of_layer=args.heads_of_layer, pivots=args.pivots,
+                             memory=args.memory,
                              recalibrated_dir=None if args.recalibrated is None else Path(args.recalibrated),
                              per_layer=not args.no_per_layer, device=args.device,
                              only=None if args.only is None else [n for n in args.only.split(",") if n])
@@ -387,6 +471,8 @@ def main(argv: list[str] | None = None) -> int:
         stem += f"_layer{args.heads_of_layer}_heads"
     if args.pivots:
         stem += "_pivots"
+    if args.memory:
+        stem += "_memory"
     if args.no_per_layer:
         stem += "_swaps"
     if args.tag:

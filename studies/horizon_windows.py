@@ -13,11 +13,10 @@ Windows default to the first 256 steps and the 256 ending at each third of D (D 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
-from stepquant.eval.report import paired_difference
+from stepquant.eval.report import paired_difference, read_records
 
 
 def default_windows(steps: int, width: int = 256) -> list[tuple[int, int]]:
@@ -59,10 +58,11 @@ def rows(record: dict, base: str | None, windows: list[tuple[int, int]] | None =
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("eval_json", type=Path, help="an eval.json written by `stepquant eval`")
+    parser.add_argument("eval_json", type=Path, nargs="+",
+                        help="eval.json (or .json.gz) files written by `stepquant eval`, their models merged")
     parser.add_argument("--base", default=None, help="pair every method against this one (e.g. int6)")
     args = parser.parse_args(argv)
-    record = json.loads(args.eval_json.read_text())
+    record = read_records(args.eval_json)
     print("\n".join(rows(record, args.base)))
     return 0
 

@@ -8,6 +8,7 @@ rows come from the same forward passes, so d and its standard error come from th
 within one (the nominal side in brackets); "weak" marks a margin under two standard errors.
 
     python -m studies.verdicts docs/results/eval.json          # the markdown table of docs/eval.md section 4
+    python -m studies.verdicts docs/results/full_eval_{gdn,kda}.json.gz   # the full protocol's (section 8)
 
 Prints the table, then one JSON line with every d, se and verdict.
 """
@@ -19,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from stepquant.eval.report import block_means, mean_and_stderr
+from stepquant.eval.report import block_means, mean_and_stderr, read_records
 
 # (label, method, reference method or None, reference scale, kind, threshold): d = method - scale x reference;
 # kind "below": target d < threshold; "band": target |d| <= threshold
@@ -63,14 +64,26 @@ def verdict(methods: dict, method: str, reference: str | None, scale: float, kin
 
 
 def table(record: dict) -> tuple[str, dict]:
-    """The markdown verdict table (one column pair per model) and the per-model results."""
+    """The markdown verdict table (one column pair per model) and the per-model results.
+
+    A target whose methods an eval did not run (e.g. the full protocol's shorter method list) reads "not
+    run" for that model, and a target no model ran is left out and named below the table; an eval with no
+    target at all is an error."""
     models = list(record["models"])
     results = {name: {} for name in models}
     header = "| target | " + " | ".join(f"{m}: d ± se | verdict" for m in models) + " |"
-    lines = [header, "|---|" + "---|---|" * len(models)]
+    lines, left_out = [header, "|---|" + "---|---|" * len(models)], []
     for label, method, reference, scale, kind, threshold in TARGETS:
+        needed = [m for m in (method, reference) if m is not None]
+        ran = {name: all(m in record["models"][name]["methods"] for m in needed) for name in models}
+        if not any(ran.values()):
+            left_out.append(label)
+            continue
         cells = []
         for name in models:
+            if not ran[name]:
+                cells.append("not run | -")
+                continue
             methods = record["models"][name]["methods"]
             r = verdict(methods, method, reference, scale, kind, threshold)
             results[name][label] = {k: r[k] for k in ("d", "se", "verdict")}
@@ -80,17 +93,24 @@ def table(record: dict) -> tuple[str, dict]:
                 detail = f" ({a:.4f} vs {scale * b:.4f})"
             cells.append(f"{r['d']:+.4f} ± {r['se']:.4f}{detail} | {r['text']}")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n", results
+    if len(left_out) == len(TARGETS):
+        raise ValueError("the eval has none of the targets' methods: rerun `stepquant eval` with the default "
+                         "method list")
+    text = "\n".join(lines) + "\n"
+    if left_out:
+        text += "\nNot run in this eval (its method list lacks them): " + "; ".join(left_out) + ".\n"
+    return text, results
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m studies.verdicts", description=__doc__.split("\n")[0])
-    parser.add_argument("eval_json", nargs="?", default="docs/results/eval.json",
-                        help="an eval.json written by `stepquant eval` (default docs/results/eval.json)")
+    parser.add_argument("eval_json", nargs="*", type=Path, default=[Path("docs/results/eval.json")],
+                        help="eval.json (or .json.gz) files written by `stepquant eval`, their models "
+                             "side by side (default docs/results/eval.json)")
     args = parser.parse_args(argv)
-    path = Path(args.eval_json)
+    path = ", ".join(map(str, args.eval_json))
     try:
-        record = json.loads(path.read_text())
+        record = read_records(args.eval_json)
         text, results = table(record)
     except (OSError, json.JSONDecodeError, KeyError) as err:
         parser.error(f"{path}: not a readable eval.json ({err!r}); write one with `stepquant eval --out DIR`")

@@ -265,6 +265,36 @@ def test_attribution_diagnostic_variants_change_one_thing_each():
     assert one[4] is not None and all(one[i].name == "fp32" for i in GDN_LINEAR if i != 4)
 
 
+def test_attribution_memory_variants_zero_the_right_units():
+    from stepquant.analysis.mechanisms import lifetime_classes
+    from stepquant.calibrate import Plan
+    from stepquant.eval.methods import DEFAULT_PLANS_DIR
+    from studies.attribution import memory_variants
+
+    plans = {v: Plan.load(DEFAULT_PLANS_DIR / "kda" / f"{v}-4", model_config="kda")
+             for v in ("stepquant", "temporal")}
+    layers = [int(i) for i in plans["temporal"].linear_layers]
+    variants = {name: codecs for name, _, codecs in memory_variants(plans, layers, 4)}
+    classes = lifetime_classes(plans["temporal"].half_lives)  # [L, H, K]: key rows ranked in their layer
+    heads = classes.shape[1]
+    torch.manual_seed(0)
+    states = torch.randn(2, heads, 128, 128)
+    later = torch.randn(2, heads, 128, 128)
+    for i, layer in enumerate(layers):
+        long = classes[i] == 2
+        assert int(long.sum()) == classes[i].numel() // 4
+        every, once = variants["memoryless-long"][layer], variants["forget-prompt-long"][layer]
+        for codec in (every, once):  # the first store (the prefill boundary) zeroes the long-lived rows
+            first = codec.encode(states)
+            assert bool((first[:, long] == 0).all()) and torch.equal(first[:, ~long], states[:, ~long])
+        assert torch.equal(every.requantize(later, first)[:, ~long], later[:, ~long])
+        assert bool((every.requantize(later, first)[:, long] == 0).all())  # memoryless: at every store
+        assert once.carries_residual and torch.equal(once.requantize(later, first), later)  # once: FP32 after
+        assert bool((variants["memoryless"][layer].encode(states) == 0).all())
+        bits = variants["int4-long"][layer].bits
+        assert bool((bits[long] == 4).all()) and bool((bits[~long] == 16).all())  # INT4 there, FP16 elsewhere
+
+
 # ---------------------------------------------------------------- checked before the work
 
 
@@ -332,6 +362,7 @@ def test_eval_writes_each_model_as_it_finishes(tmp_path, capsys, monkeypatch):
 
 
 def test_verdicts_pair_blocks_and_read_the_sides():
+    from stepquant.eval.report import read_records
     from studies.verdicts import TARGETS, table, verdict
 
     def method(blocks):
@@ -352,9 +383,21 @@ def test_verdicts_pair_blocks_and_read_the_sides():
     committed = json.loads((Path(__file__).parents[1] / "docs" / "results" / "eval.json").read_text())
     text, results = table(committed)  # every target's methods are in the committed eval
     assert text.count("\n") == 2 + len(TARGETS) and set(results) == set(committed["models"])
+    # the full protocol's GPU runs: one .json.gz per model, a shorter method list (no spatial, no nopivot)
+    full = [Path(__file__).parents[1] / "docs" / "results" / f"full_eval_{m}.json.gz" for m in ("gdn", "kda")]
+    text, results = table(read_records(full))
+    skipped = [label for label, method, reference, *_ in TARGETS if "spatial" in method + str(reference)
+               or "nopivot" in str(reference)]
+    assert len(skipped) == 4 and all(label in text.split("Not run in this eval")[1] for label in skipped)
+    assert set(results) == {"gdn", "kda"} and all(len(r) == len(TARGETS) - 4 for r in results.values())
+    with pytest.raises(ValueError, match="more than one"):
+        read_records([full[0], full[0]])
+    with pytest.raises(ValueError, match="none of the targets"):
+        table({"models": {"gdn": {"methods": {"fp32": method([0.0, 0.0])}}}})
 
 
 def test_horizon_windows_read_the_curves_and_pair_blocks():
+    from stepquant.eval.report import read_records
     from studies.horizon_windows import default_windows, rows, window_means
 
     assert default_windows(3072) == [(0, 256), (768, 1024), (1792, 2048), (2816, 3072)]
@@ -374,6 +417,6 @@ def test_horizon_windows_read_the_curves_and_pair_blocks():
                    "| m sq | +0.1000 | +0.1000 | +0.1000 ± 0.0000 | -0.2000 ± 0.2000 |"]
     with pytest.raises(ValueError, match="no method 'bf16'"):
         rows(record, "bf16")
-    committed = json.loads((Path(__file__).parents[1] / "docs" / "results" / "horizon_eval.json").read_text())
+    committed = read_records([Path(__file__).parents[1] / "docs" / "results" / "horizon_eval.json.gz"])
     gdn_int4 = [r for r in rows(committed, None) if r.startswith("| gdn int4 |")]  # docs/eval.md section 8
     assert gdn_int4 == ["| gdn int4 | +0.0089 | +0.0416 | +0.1240 | +0.1756 | +0.1003 ± 0.0073 |"]

@@ -6,6 +6,7 @@ module only formats it, so a committed eval.json can be re-rendered without re-r
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -22,6 +23,28 @@ def _stderr(x: float | None) -> str:
 
 def _bytes(n: int) -> str:
     return f"{n:,}"
+
+
+def read_records(paths: list[Path]) -> dict:
+    """One eval record from one or more eval.json files (``.json.gz`` too: the committed large runs),
+    their models side by side (e.g. one GPU call per model); settings and date from the first file.
+
+    A model in two files is an error (which run's rows would the tables show?)."""
+    merged: dict | None = None
+    for path in paths:
+        text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+        record = json.loads(text)
+        if merged is None:
+            merged = {**record, "models": dict(record["models"])}
+            continue
+        twice = sorted(set(merged["models"]) & set(record["models"]))
+        if twice:
+            raise ValueError(f"model(s) {twice} appear in more than one of {[str(p) for p in paths]}: pass "
+                             "one eval.json per model")
+        merged["models"].update(record["models"])
+    if merged is None:
+        raise ValueError("no eval.json given")
+    return merged
 
 
 def block_means(method: dict) -> list[float]:
