@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from stepquant.analysis.mechanisms import lifetime_classes
+from stepquant.analysis.mechanisms import LIFETIME_CLASSES, lifetime_classes
 from stepquant.cli import check_device
 from stepquant.codecs import Grid, MixedCodec, make_codec
 from stepquant.codecs.base import MIN_BITS, PIVOT_BITS, Codec, as_fp32
@@ -258,7 +258,8 @@ class ZeroUnits(Codec):
         return 32 * num_heads * key_dim * value_dim
 
 
-LIFETIME_CLASSES = ("short", "middle", "long")  # lifetime_classes: lowest quarter, middle half, top quarter
+# what the rows say of each of mechanisms.LIFETIME_CLASSES (lifetime_classes 0, 1, 2)
+CLASS_WORDS = {"short": "short-lived quarter", "middle": "middle half", "long": "long-lived quarter"}
 
 
 def memory_variants(plans: dict, linear_layers: list[int], bits: int) -> list[tuple[str, str, dict]]:
@@ -287,14 +288,10 @@ def memory_variants(plans: dict, linear_layers: list[int], bits: int) -> list[tu
         ("memoryless", "every unit zeroed at every store (the attention layers keep the context)",
          zero(every, False)),
     ]
-    for c, label in enumerate(LIFETIME_CLASSES):
-        what = "middle half" if label == "middle" else f"{label}-lived quarter"
-        variants.append((f"memoryless-{label}", f"the {what} of each layer zeroed at every store, FP32 else",
-                         zero(classes == c, False)))
-    for c, label in enumerate(LIFETIME_CLASSES):
-        what = "middle half" if label == "middle" else f"{label}-lived quarter"
-        variants.append((f"int{bits}-{label}", f"INT{bits} rowwise absmax on the {what}, FP16 elsewhere",
-                         int_on(classes == c)))
+    variants += [(f"memoryless-{label}", f"the {CLASS_WORDS[label]} of each layer zeroed at every store, "
+                  "FP32 else", zero(classes == c, False)) for c, label in enumerate(LIFETIME_CLASSES)]
+    variants += [(f"int{bits}-{label}", f"INT{bits} rowwise absmax on the {CLASS_WORDS[label]}, FP16 "
+                  "elsewhere", int_on(classes == c)) for c, label in enumerate(LIFETIME_CLASSES)]
     return variants
 
 

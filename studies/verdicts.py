@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         record = read_records(args.eval_json)
         text, results = table(record)
-    except (OSError, json.JSONDecodeError, KeyError) as err:
+    except (OSError, EOFError, json.JSONDecodeError, KeyError) as err:  # EOFError: a truncated .gz
         parser.error(f"{path}: not a readable eval.json ({err!r}); write one with `stepquant eval --out DIR`")
     except ValueError as err:
         parser.error(f"{path}: {err}")
