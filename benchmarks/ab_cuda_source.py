@@ -32,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_decode  # noqa: E402
 from bench_decode import (  # noqa: E402
+    FILL_0,
+    FILL_MIDTREAD_1,
     KEY_DIM,
     MIDTREAD_1,
     MODELS,
@@ -58,6 +60,9 @@ CASES = [  # (model, bits, quantizer name, quantizer, part)
     *[(model, 4, "r1", RECIPROCAL_1, "fused") for model in ("gdn", "kda")],
     # the shipped stepquant-4 plans' quantizer since issue 14 (mid-tread grid): against mid-rise r1 above
     *[(model, 4, "midtread-r1", MIDTREAD_1, "fused") for model in ("gdn", "kda")],
+    # the shipped STEPQuant plans' quantizers since the row fill (docs/eval.md section 11)
+    *[(model, 6, "fill-r0", FILL_0, "fused") for model in ("gdn", "kda")],
+    *[(model, 4, "fill-midtread-r1", FILL_MIDTREAD_1, "fused") for model in ("gdn", "kda")],
 ]
 
 

@@ -98,7 +98,10 @@ HEADLINE_VARIANTS = ("cuda fused (reciprocal, 1 refit)", "cuda fused (exact, 2 r
 EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)
 RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
 RECIPROCAL_0 = DualAxisConfig(division="reciprocal", refit_iters=0)  # no refit: the c init is kept
-MIDTREAD_1 = DualAxisConfig(grid="midtread", division="reciprocal", refit_iters=1)  # stepquant-4 plans
+MIDTREAD_1 = DualAxisConfig(grid="midtread", division="reciprocal", refit_iters=1)  # stepquant-4 before
+# the shipped STEPQuant plans' quantizers since the row fill (docs/eval.md section 11): 6 and 4 bits
+FILL_0 = DualAxisConfig(division="reciprocal", refit_iters=0, row_fill=True)
+FILL_MIDTREAD_1 = DualAxisConfig(grid="midtread", division="reciprocal", refit_iters=1, row_fill=True)
 
 
 def make_layer(bits: torch.Tensor, spatial: str, num_slots: int, config: DualAxisConfig = EXACT_2,
@@ -310,8 +313,10 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
         # (variant, spatial, quantizer, part, backend)
         todo = [("cuda fused (reciprocal, 1 refit)", "dual_axis", RECIPROCAL_1, "fused", "cuda"),
                 ("cuda fused (reciprocal, no refit)", "dual_axis", RECIPROCAL_0, "fused", "cuda"),
-                # the shipped stepquant-4 plans' quantizer (the 6-bit ones run the no-refit row above)
                 ("cuda fused (mid-tread, 1 refit)", "dual_axis", MIDTREAD_1, "fused", "cuda"),
+                # the shipped STEPQuant plans' quantizers: 6 bits no refit, 4 bits mid-tread with one
+                ("cuda fused (row fill, no refit)", "dual_axis", FILL_0, "fused", "cuda"),
+                ("cuda fused (row fill, mid-tread, 1 refit)", "dual_axis", FILL_MIDTREAD_1, "fused", "cuda"),
                 ("cuda fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "cuda")]
         if bits in args.split_bits:
             todo += [("cuda fused (reciprocal, 1 refit) 16 warps", "dual_axis", RECIPROCAL_1, "fused",

@@ -19,19 +19,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_decode import EXACT_2, FILL_0, FILL_MIDTREAD_1, MIDTREAD_1, RECIPROCAL_0, RECIPROCAL_1  # noqa: E402
+
 from stepquant.codecs import LayerFormat  # noqa: E402
 from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
 from stepquant.kernels.decode import cuda  # noqa: E402
 from stepquant.kernels.tables import FormatTables  # noqa: E402
 
-RECIPROCAL_1 = DualAxisConfig(division="reciprocal", refit_iters=1)
-RECIPROCAL_0 = DualAxisConfig(division="reciprocal", refit_iters=0)  # the kernel's contract without a refit
-MIDTREAD_1 = DualAxisConfig(grid="midtread", division="reciprocal", refit_iters=1)  # the stepquant-4 plans'
-EXACT_2 = DualAxisConfig(division="exact", refit_iters=2)  # the first quantizer (spatial-* plans)
 PACK_EXACT = DualAxisConfig(refit_iters=0, row_stat="absmax")  # test_cuda_kernel's exact pack check
+SERVING = (RECIPROCAL_1, RECIPROCAL_0, MIDTREAD_1, FILL_0, FILL_MIDTREAD_1)  # the plans' fast quantizers
 
 # (spatial, quantizer, part, kda, debug)
-DUAL = (RECIPROCAL_1, RECIPROCAL_0, MIDTREAD_1, EXACT_2)
+DUAL = (*SERVING, EXACT_2)
 CONFIGS = (
     [("dual_axis", q, part, kda, False) for q in DUAL for part in ("fused", "readout", "writeback")
      for kda in (False, True)]
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
                          for part in ("fused", "readout")]
     if args.serving_only:
         configs = [c for c in CONFIGS
-                   if c[1] in (RECIPROCAL_1, RECIPROCAL_0, MIDTREAD_1) and c[4] is False
+                   if c[1] in SERVING and c[4] is False
                    and c[0] == "dual_axis"]
     rows = cuda.TUNING["SQ_ROWS"]  # the default, or STEPQUANT_CUDA_ROWS
     for spatial, quantizer, part, kda, debug in configs:

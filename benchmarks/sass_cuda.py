@@ -41,12 +41,14 @@ def main(argv=None) -> int:
     parser.add_argument("--division", choices=["reciprocal", "exact"], default="reciprocal")
     parser.add_argument("--refits", type=int, default=1)
     parser.add_argument("--kda", action="store_true", help="a gate per key row")
+    parser.add_argument("--row-fill", action="store_true", help="the row fill (DualAxisConfig.row_fill)")
     parser.add_argument("--rows", type=int, default=cuda.TUNING["SQ_ROWS"],
                         help="key rows per warp (SQ_ROWS: 16 = 8 warps per CTA, 8 = 16 warps)")
     args = parser.parse_args(argv)
     defines = {"SQ_PART": cuda.PARTS[args.part], "SQ_DUAL": 1, "SQ_MIDRISE": 1,
                "SQ_RECIP": int(args.division == "reciprocal"), "SQ_ROW_STAT": 1, "SQ_KDA": int(args.kda),
-               "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_DEBUG": 0, "SQ_ONLY_KIND": args.kind,
+               "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_ROW_FILL": int(args.row_fill), "SQ_DEBUG": 0,
+               "SQ_ONLY_KIND": args.kind,
                "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": cuda.TUNING["SQ_MIN_BLOCKS"]}
     values_per_thread = 4 * args.rows  # a rows x 4 tile per thread
     nvcc = cuda.nvcc_path()

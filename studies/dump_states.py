@@ -20,21 +20,28 @@ from stepquant.families import linear_layers
 from stepquant.models import load
 
 
+def segment_end_states(model_name: str, segments: int) -> list[torch.Tensor]:
+    """The FP32 recurrent state of each linear-attention layer at the end of each of the first ``segments``
+    calibration segments (2048 tokens): one [segments, H, K, V] tensor per layer."""
+    model, tokenizer = load(model_name)
+    x = calibration_segments(tokenizer, segments, 2048)
+    linear = linear_layers(model.config)
+    per_layer = [[] for _ in linear]
+    with torch.no_grad():
+        for n in range(segments):
+            cache = model(input_ids=x[n : n + 1], use_cache=True).past_key_values
+            for states, i in zip(per_layer, linear, strict=True):
+                states.append(cache.get_recurrent_state(i).float())
+    return [torch.cat(states) for states in per_layer]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gdn")
     parser.add_argument("--segments", type=int, default=4)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
-    model, tokenizer = load(args.model)
-    x = calibration_segments(tokenizer, args.segments, 2048)
-    linear = linear_layers(model.config)
-    states = []
-    with torch.no_grad():
-        for n in range(args.segments):
-            cache = model(input_ids=x[n : n + 1], use_cache=True).past_key_values
-            states.append(torch.cat([cache.get_recurrent_state(i).float() for i in linear], dim=1))
-    states = torch.cat(states).contiguous()
+    states = torch.cat(segment_end_states(args.model, args.segments), dim=1).contiguous()
     save_file({"states": states}, str(args.out))
     print(f"{args.out}: states {tuple(states.shape)}")
 

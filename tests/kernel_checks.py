@@ -10,7 +10,7 @@ import torch
 
 from stepquant.codecs import LayerFormat
 from stepquant.codecs.base import PIVOT_BITS, QState, round_to_codes
-from stepquant.codecs.dual_axis import DualAxisConfig, codes_for, scale_down
+from stepquant.codecs.dual_axis import DualAxisConfig, codes_for, fill_rows, scale_down
 from stepquant.codecs.packing import pack, unpack
 from stepquant.pool import PackedLayer
 
@@ -59,15 +59,25 @@ def clone_layer(layer: PackedLayer) -> PackedLayer:
 
 
 def requantize_with(layer: PackedLayer, x: torch.Tensor, row_scale: torch.Tensor,
-                    col_code: torch.Tensor | None) -> QState:
+                    col_code: torch.Tensor | None, r_before_fill: torch.Tensor | None = None) -> QState:
     """The codes the layer's codec gives X [n, H, K, V] with the kernel's row scales and the column scales
-    the kernel's codes were computed against (dual_axis.codes_for; rowwise absmax: true division)."""
+    the kernel's codes were computed against (dual_axis.codes_for; rowwise absmax: true division).
+
+    r_before_fill: with a row_fill quantizer, the kernel's row scales before the fill (its debug output);
+    the kernel's row scales must then be exactly dual_axis.fill_rows of them and of col_code (the column
+    init: quantizers of at most one refit), and the codes follow from the filled Y."""
     bits = layer.format.bits.to(x.device).to(torch.int64)
     is_pivot = bits == PIVOT_BITS
     row_bits = torch.where(is_pivot, 8, bits)[None, :, :, None]
     r = row_scale.to(torch.float32)
-    if col_code is not None:
-        config = layer.format.config
+    config = layer.format.config
+    if col_code is not None and config.row_fill:
+        assert r_before_fill is not None and config.refit_iters <= 1
+        y, filled = fill_rows(scale_down(x, r_before_fill[..., None], config), r_before_fill, col_code,
+                              layer.format.bits, config)
+        assert torch.equal(filled, r), "the kernel's filled row scales differ from fill_rows of its own"
+        codes = codes_for(y, col_code, row_bits, config)
+    elif col_code is not None:
         codes = codes_for(scale_down(x, r[..., None], config), col_code, row_bits, config)
     else:
         codes = round_to_codes(x / r[..., None], row_bits, layer.grid)
@@ -79,7 +89,8 @@ def requantize_with(layer: PackedLayer, x: torch.Tensor, row_scale: torch.Tensor
 
 
 def check_against_codec(kernel: PackedLayer, ref: PackedLayer, slots: list[int], x: torch.Tensor,
-                        col_code: torch.Tensor, exact_scales: bool, far_share: float = 0.0) -> None:
+                        col_code: torch.Tensor, exact_scales: bool, far_share: float = 0.0,
+                        r_before_fill: torch.Tensor | None = None) -> None:
     """The policy of docs/kernels.md for the slots both layers wrote from the same X.
 
     far_share: the share of refitted column scales allowed to differ by more than SCALE_RTOL (GPU
@@ -99,7 +110,8 @@ def check_against_codec(kernel: PackedLayer, ref: PackedLayer, slots: list[int],
         near = (got.col_scale.float() - want.col_scale.float()).abs() <= SCALE_RTOL * want.col_scale.float()
         assert 1.0 - near.float().mean().item() <= far_share, f"{int((~near).sum())} column scales differ"
     # codes exactly, given the kernel's X and scales
-    again = requantize_with(kernel, x, got.row_scale, None if want.col_scale is None else col_code)
+    again = requantize_with(kernel, x, got.row_scale, None if want.col_scale is None else col_code,
+                            r_before_fill)
     is_int = (kernel.format.bits != PIVOT_BITS).to(x.device)[None, :, :, None]
     assert torch.equal(torch.where(is_int, got.codes, 0), again.codes)
     if again.pivots is not None:
@@ -131,8 +143,10 @@ def gpu_decode_case(decode, bits, key_heads, kda, num_rows, spatial="dual_axis",
     active = slots >= 0
     assert rel_rms(debug["x"][active], debug_ref["x"]) < 1e-5
     assert rel_rms(y[active], y_ref[active]) < 1e-5
+    before_fill = debug.get("r_before_fill")
     check_against_codec(layer, ref, slots[active].tolist(), debug["x"][active], debug["c"][active],
-                        exact_scales=False, far_share=1e-3)
+                        exact_scales=False, far_share=1e-3,
+                        r_before_fill=None if before_fill is None else before_fill[active])
     index = slots[active].to(torch.int64)
     err = rel_rms(unpack(layer.gather(index)).dequantize(), debug_ref["x"])
     err_ref = rel_rms(unpack(ref.gather(index)).dequantize(), debug_ref["x"])

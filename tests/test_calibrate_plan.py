@@ -16,7 +16,7 @@ from stepquant.accounting import plan_bytes
 from stepquant.calibrate import Plan, allocate, build_plan
 from stepquant.calibrate.plan import PLAN_ARRAYS, PLAN_JSON, PLAN_PLOT
 from stepquant.cli import main
-from stepquant.codecs import MixedCodec
+from stepquant.codecs import DualAxisConfig, MixedCodec
 
 SHIPPED_GDN = dict(family="gdn", layers=(0, 1, 2, 4, 5, 6), heads=8, key_dim=128, value_dim=128)
 SHIPPED_KDA = dict(family="kda", layers=(0, 1, 2, 4, 5, 6), heads=4, key_dim=128, value_dim=128)
@@ -250,71 +250,88 @@ def test_version_1_plans_load_with_the_v1_quantizer_and_migrate_to_the_same_code
         assert torch.equal(migrated.codec(i).roundtrip(states), v1.codec(i).roundtrip(states))
 
 
-# the 6-bit STEPQuant plans: calibrated with exact/2, requantized (issue 12)
-REQUANTIZED = {("gdn", "stepquant-6"): ("reciprocal", 0), ("kda", "stepquant-6"): ("reciprocal", 0)}
+@pytest.mark.parametrize("model", ["gdn", "kda"])
+def test_requantize_plans_gives_a_plan_another_quantizer_and_nothing_else(tmp_path, model):
+    import shutil
 
-
-@pytest.mark.parametrize("model, name", sorted(REQUANTIZED), ids=[f"{m}/{n}" for m, n in sorted(REQUANTIZED)])
-def test_shipped_stepquant_plans_run_the_kernel_quantizer_with_their_calibrated_bits(tmp_path, model, name):
     from stepquant.calibrate.quantizer import V1_QUANTIZER
     from studies.quantizer_check import calibrated
     from studies.requantize_plans import requantize
 
-    # issue 12: the shipped STEPQuant plans run the CUDA kernel's fast quantizer with the bits and w they
-    # were calibrated with (studies/requantize_plans.py); the calibration block records what was changed
-    shipped = Plan.load(assets.PLANS / model / name, model_config=model)
-    division, refits = REQUANTIZED[model, name]
-    assert (shipped.quantizer.division, shipped.quantizer.refit_iters) == (division, refits)
-    assert shipped.codec(0).config == shipped.quantizer
-    original = calibrated(shipped)  # the plan as calibrated: the first quantizer, exact/2
-    assert original.quantizer == V1_QUANTIZER and "requantized" not in original.calibration
-    assert original.accounting() == shipped.accounting()  # the quantizer moves no byte
-    # the rewrite reproduces the shipped plan from the calibrated one (only the path in its command differs)
-    directory = tmp_path / name  # plan.json of the plan as calibrated, beside the committed arrays
-    directory.mkdir()
-    arrays = (assets.PLANS / model / name / PLAN_ARRAYS).read_bytes()
-    (directory / PLAN_ARRAYS).write_bytes(arrays)
-    original.write_json(directory, arrays)
-    assert requantize(directory, division, refits) == "requantized"
-    assert requantize(directory, division, refits) == f"already {division}/{refits}"
-    made, committed = (json.loads((d / PLAN_JSON).read_text())
-                       for d in (directory, assets.PLANS / model / name))
-    for document in (made, committed):
-        document["calibration"]["requantized"]["command"] = document["calibration"]["requantized"][
-            "command"].rsplit(" ", 1)[0]
-        assert document["integrity"].pop("plan_sha256")
-    assert made == committed  # bits_sha256 and the plan.safetensors sha256 included
+    # studies/requantize_plans.py (issue 12; the shipped STEPQuant@6 plans ran this way until the row fill):
+    # the quantizer block is replaced, the bits, w, bytes and arrays stay, the calibration block records it
+    name = "spatial-6"  # a shipped plan on the quantizer it was calibrated with (exact/2)
+    directory = tmp_path / name
+    shutil.copytree(assets.PLANS / model / name, directory)
+    original = Plan.load(directory, model_config=model)
+    assert original.quantizer == V1_QUANTIZER
+    assert requantize(directory, "reciprocal", 0) == "requantized"
+    assert requantize(directory, "reciprocal", 0) == "already reciprocal/0"
+    again = Plan.load(directory, model_config=model)
+    assert (again.quantizer.division, again.quantizer.refit_iters) == ("reciprocal", 0)
+    assert again.codec(0).config == again.quantizer
+    assert again.accounting() == original.accounting()  # the quantizer moves no byte
+    pairs = zip(again.bits + again.w, original.bits + original.w, strict=True)
+    assert all(torch.equal(a, b) for a, b in pairs)
+    assert (directory / PLAN_ARRAYS).read_bytes() == (assets.PLANS / model / name / PLAN_ARRAYS).read_bytes()
+    back = calibrated(again)  # the plan as calibrated
+    assert back.quantizer == V1_QUANTIZER and "requantized" not in back.calibration
     # a damaged copy names both commands
     _truncate(directory / PLAN_ARRAYS)
     with pytest.raises(ValueError, match=rf"--out NEW_DIR .*, then: python -m studies.requantize_plans "
-                                         rf"--division {division} --refit-iters {refits} NEW_DIR/{name}"):
+                                         rf"--division reciprocal --refit-iters 0 NEW_DIR/{name}"):
         Plan.load(directory)
 
 
+SHIPPED_QUANTIZERS = {  # budget: (grid, refits, the calibrate options); all reciprocal with the row fill
+    6: ("midrise", 0, ["--division", "reciprocal", "--refit-iters", "0", "--row-fill"]),
+    4: ("midtread", 1, ["--grid", "midtread", "--division", "reciprocal", "--refit-iters", "1",
+                        "--row-fill"]),
+}
+
+
+@pytest.mark.parametrize("bits", [6, 4])
 @pytest.mark.parametrize("model", ["gdn", "kda"])
-def test_shipped_stepquant_4_plans_are_their_mid_tread_calibration(tmp_path, capsys, model):
-    # issue 14: the 4-bit STEPQuant plans are calibrated under the quantizer they run (mid-tread grid,
-    # reciprocal, one refit: d_u(b) measured with it); the statistics ship beside them and emit them again
+def test_shipped_stepquant_plans_are_their_row_fill_calibration(tmp_path, capsys, model, bits):
+    # issue 14: the STEPQuant plans are calibrated under the quantizer they run (the row fill, docs/eval.md
+    # section 11: d_u(b) measured with it); the statistics ship beside them and emit them again
     from safetensors.torch import load_file
 
     from stepquant.calibrate.quantizer import quantizer_from_json
 
-    directory = assets.PLANS / model / "stepquant-4"
+    grid, refits, options = SHIPPED_QUANTIZERS[bits]
+    directory = assets.PLANS / model / f"stepquant-{bits}"
     shipped = Plan.load(directory, model_config=model)
     q = shipped.quantizer
-    assert (q.grid.value, q.row_stat, q.division, q.refit_iters) == ("midtread", "rms", "reciprocal", 1)
+    assert (q.grid.value, q.row_stat, q.division, q.refit_iters, q.row_fill) == (grid, "rms", "reciprocal",
+                                                                                 refits, True)
     assert "requantized" not in shipped.calibration
     assert quantizer_from_json(shipped.calibration["quantizer"]) == q
-    stats = assets.PLANS / model / "stats-midtread"
-    assert main(["calibrate", "--stats", str(stats), "--bits", "4", "--grid", "midtread", "--division",
-                 "reciprocal", "--refit-iters", "1", "--out", str(tmp_path), "--json"]) == 0
+    stats = assets.PLANS / model / f"stats-rowfill-{bits}"
+    assert main(["calibrate", "--stats", str(stats), "--bits", str(bits), *options, "--out", str(tmp_path),
+                 "--json"]) == 0
     capsys.readouterr()
     made, committed = (json.loads((d / PLAN_JSON).read_text())["integrity"]
-                       for d in (tmp_path / "stepquant-4", directory))
+                       for d in (tmp_path / f"stepquant-{bits}", directory))
     assert made["bits_sha256"] == committed["bits_sha256"]
     # the same arrays (the files' bytes can differ: safetensors writes its metadata in hash order)
-    made, committed = (load_file(d / PLAN_ARRAYS) for d in (tmp_path / "stepquant-4", directory))
+    made, committed = (load_file(d / PLAN_ARRAYS) for d in (tmp_path / f"stepquant-{bits}", directory))
     assert made.keys() == committed.keys() and all(torch.equal(made[k], committed[k]) for k in made)
+
+
+def test_the_row_fill_is_written_only_where_it_is_on():
+    # a quantizer block without "row_fill" (every plan written before it) loads without the fill; a block
+    # with it reads back, so plans made before keep their bytes when rewritten
+    from stepquant.calibrate.quantizer import quantizer_from_json, quantizer_to_json
+
+    plain = DualAxisConfig(division="reciprocal", refit_iters=0)
+    filled = DualAxisConfig(division="reciprocal", refit_iters=0, row_fill=True)
+    assert "row_fill" not in quantizer_to_json(plain)
+    assert quantizer_to_json(filled)["row_fill"] is True
+    assert quantizer_from_json(quantizer_to_json(filled)) == filled
+    assert quantizer_from_json(quantizer_to_json(plain)) == plain
+    with pytest.raises(ValueError, match="invalid quantizer block.*row_fill=True needs division"):
+        quantizer_from_json(quantizer_to_json(plain) | {"division": "exact", "row_fill": True})
 
 
 def test_a_version_2_plan_must_have_its_quantizer_block(tmp_path):
@@ -406,6 +423,19 @@ def test_calibrate_division_and_refit_options(tmp_path, capsys):
     capsys.readouterr()
     made = Plan.load(tmp_path / "mean_abs" / "stepquant-4")
     assert made.quantizer == mean_abs and " ".join(options) in made.calibration["command"]
+    # --row-fill likewise (the shipped STEPQuant plans since docs/eval.md section 11); it needs reciprocal
+    filled = DualAxisConfig(division="reciprocal", refit_iters=0, row_fill=True)
+    object.__setattr__(stats, "settings", {"quantizer": quantizer_to_json(filled)})
+    stats.save(tmp_path / "filled")
+    options = ["--division", "reciprocal", "--refit-iters", "0", "--row-fill"]
+    assert main(["calibrate", "--stats", str(tmp_path / "filled"), "--bits", "6", *options,
+                 "--out", str(tmp_path / "filled"), "--no-progress"]) == 0
+    capsys.readouterr()
+    made = Plan.load(tmp_path / "filled" / "stepquant-6")
+    assert made.quantizer == filled and " ".join(options) in made.calibration["command"]
+    assert main(["calibrate", "--stats", str(tmp_path / "filled"), "--bits", "6", "--row-fill",
+                 "--out", str(tmp_path / "bad"), "--no-progress"]) == 2
+    assert "--row-fill needs --division reciprocal" in capsys.readouterr().err
 
 def test_row_weights_are_bounded_at_plan_build_and_load(saved_plans, tmp_path):
     import dataclasses
@@ -483,7 +513,7 @@ def test_calibrate_refuses_to_replace_plans_or_statistics_without_force(tmp_path
     for name in (PLAN_JSON, PLAN_ARRAYS):
         (damaged / name).write_bytes((assets.PLANS / "gdn" / "stepquant-6" / name).read_bytes())
     _truncate(damaged / PLAN_ARRAYS)
-    with pytest.raises(ValueError, match=r"--horizon 2048 --out NEW_DIR \(NEW_DIR: a directory of your"):
+    with pytest.raises(ValueError, match=r"--row-fill --out NEW_DIR \(NEW_DIR: a directory of your"):
         Plan.load(damaged)
 
 

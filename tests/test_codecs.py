@@ -416,6 +416,37 @@ def test_dual_axis_code_range_and_zero_state(grid):
         assert out.abs().max().item() <= 0.5 * 2.0**-14 * 2.0**-14
 
 
+@pytest.mark.parametrize("grid", list(Grid), ids=lambda g: g.value)
+def test_row_fill_brings_every_row_to_its_grid_top_and_lowers_the_error(grid):
+    # a mixed head (KDA-like) and a uniform one: the column scales are set by a few rows, so without the
+    # fill most rows' largest code stays far below their grid's top
+    x = outlier_states((3, 2, 48, 40), seed=11)
+    bits = torch.randint(3, 9, (2, 48), generator=torch.Generator().manual_seed(5))
+    bits[1] = 5
+    bits[0, :3] = 16  # FP16 pivot rows take no part
+    w = random_w(2, 48)
+    plain = DualAxisConfig(grid=grid, division="reciprocal", refit_iters=0)
+    filled = DualAxisConfig(grid=grid, division="reciprocal", refit_iters=0, row_fill=True)
+    before, after = (MixedCodec(bits, w, config=c).encode(x).validate() for c in (plain, filled))
+    is_int = (bits != 16)[None].expand(3, -1, -1)
+    top = lambda q: (q.codes.float() - grid.zero(bits.clamp(max=8))[None, :, :, None]).abs().amax(-1)
+    qmax = grid.qmax(bits.clamp(max=8)).float()[None].expand(3, -1, -1)
+    assert bool((top(after)[is_int] >= qmax[is_int] - 1).all())  # within one level of the top
+    assert (top(before)[is_int] < qmax[is_int] - 1).float().mean() > 0.5
+    assert torch.equal(after.col_scale, before.col_scale)  # no refit: the column init is kept
+    assert torch.equal(after.pivots, before.pivots)
+    row_error = lambda q: (((q.dequantize() - x) ** 2).sum(-1) / (x**2).sum(-1))[is_int].mean()
+    assert row_error(after) < 0.5 * row_error(before)
+    assert rel_rms(x, after.dequantize()) < rel_rms(x, before.dequantize())
+
+
+def test_row_fill_needs_the_reciprocal_division_and_a_bool():
+    with pytest.raises(ValueError, match="row_fill=True needs division='reciprocal'"):
+        DualAxisConfig(row_fill=True)
+    with pytest.raises(TypeError, match="row_fill must be a bool"):
+        DualAxisConfig(division="reciprocal", row_fill=1)
+
+
 def test_round_to_codes_ties_and_ranges():
     t = torch.tensor([-0.5, 0.5, 1.5, 2.5, -9.0, 9.0, 0.0])
     assert round_to_codes(t, 3, Grid.MIDTREAD).tolist() == [4, 4, 6, 6, 1, 7, 4]  # half to even

@@ -41,7 +41,9 @@ CONFIGS = {
                                               row_stat="absmax"),
     "reciprocal-meanabs-refit1-midtread": dict(division="reciprocal", refit_iters=1, grid="midtread",
                                                row_stat="mean_abs"),
-    "reciprocal-refit1-midtread": dict(division="reciprocal", refit_iters=1, grid="midtread"),  # stepquant-4
+    "reciprocal-refit1-midtread": dict(division="reciprocal", refit_iters=1, grid="midtread"),
+    "fill-refit0": dict(division="reciprocal", refit_iters=0, row_fill=True),  # stepquant-6
+    "fill-refit1-midtread": dict(division="reciprocal", refit_iters=1, grid="midtread", row_fill=True),  # -4
 }
 EXACT_SCALES = {"absmax-refit0-midtread", "reciprocal-absmax-refit0-midtread"}
 
@@ -90,7 +92,8 @@ def test_pack_matches_codec(shape, config):
     cuda.pack(kernel.tables, kernel.pages, slots, x, debug=debug)
     naive_pack_states(ref, slots, x)
     assert torch.equal(debug["x"], x)
-    check_against_codec(kernel, ref, slots.tolist(), x, debug["c"], exact_scales=config in EXACT_SCALES)
+    check_against_codec(kernel, ref, slots.tolist(), x, debug["c"], exact_scales=config in EXACT_SCALES,
+                        r_before_fill=debug.get("r_before_fill"))
     assert bool((kernel.pages.codes[[1, 3]] == -1).all()), "slots nobody packed must stay untouched"
 
 
@@ -119,8 +122,10 @@ def test_decode_matches_reference(shape, config, kda):
         assert torch.equal(now[[0, 2, 3]], then[[0, 2, 3]])
     # with two refits a code on a rounding tie of the first (summation order) moves the second refit
     far_share = 0.01 if kernel.format.config.refit_iters > 1 else 0.0
+    before_fill = debug.get("r_before_fill")
     check_against_codec(kernel, ref, slots[active].tolist(), debug["x"][active], debug["c"][active],
-                        exact_scales=False, far_share=far_share)
+                        exact_scales=False, far_share=far_share,
+                        r_before_fill=None if before_fill is None else before_fill[active])
     index = slots[active].to(torch.int64)
     err_kernel = rel_rms(unpack(kernel.gather(index)).dequantize(), debug_ref["x"])
     err_ref = rel_rms(unpack(ref.gather(index)).dequantize(), debug_ref["x"])
@@ -214,7 +219,7 @@ def _gpu_case(bits, key_heads, kda, num_rows, spatial="dual_axis", **config):
 
 
 GPU_QUANTIZERS = ("reciprocal-refit1", "reciprocal-refit0", "reciprocal-refit1-midtread",
-                  "reciprocal-meanabs-refit1-midtread")
+                  "reciprocal-meanabs-refit1-midtread", "fill-refit0", "fill-refit1-midtread")
 QUANTIZERS = {name: CONFIGS[name] for name in GPU_QUANTIZERS}
 QUANTIZERS["exact-refit2"] = dict(refit_iters=2)
 

@@ -390,8 +390,13 @@ def test_verdicts_pair_blocks_and_read_the_sides():
                or "nopivot" in str(reference)]
     assert len(skipped) == 4 and all(label in text.split("Not run in this eval")[1] for label in skipped)
     assert set(results) == {"gdn", "kda"} and all(len(r) == len(TARGETS) - 4 for r in results.values())
-    with pytest.raises(ValueError, match="more than one"):
-        read_records([full[0], full[0]])
+    # one model from two runs with the same FP32 rows: merged, the later file's methods replace the earlier's
+    twice = read_records([full[0], full[0]])
+    assert twice["models"]["gdn"]["methods"] == read_records([full[0]])["models"]["gdn"]["methods"]
+    assert twice["models"]["gdn"]["replaced"] == sorted(set(twice["models"]["gdn"]["methods"]) - {"fp32"})
+    quick = Path(__file__).parents[1] / "docs" / "results" / "eval.json"
+    with pytest.raises(ValueError, match="more than one .* other FP32 reference rows"):
+        read_records([full[0], quick])  # the full protocol's gdn and the quick one's: other streams
     with pytest.raises(ValueError, match="none of the targets"):
         table({"models": {"gdn": {"methods": {"fp32": method([0.0, 0.0])}}}})
 

@@ -81,6 +81,8 @@ CONFIGS = {
     "reciprocal-refit2-midtread": dict(division="reciprocal", refit_iters=2, grid="midtread"),
     "meanabs-refit1-midtread": dict(division="reciprocal", refit_iters=1, grid="midtread",
                                     row_stat="mean_abs"),
+    "fill-refit0": dict(division="reciprocal", refit_iters=0, row_fill=True),  # the shipped stepquant-6
+    "fill-refit1-midtread": dict(division="reciprocal", refit_iters=1, grid="midtread", row_fill=True),  # -4
 }
 
 SHAPES = {  # id: (N, H, H_k, K, V, bit choices, pivot rows, pivot head)
@@ -115,7 +117,8 @@ def test_pack_kernel_matches_codec(shape, config):
     cfg = kernel.format.config
     exact = cfg.refit_iters == 0 and cfg.row_stat == "absmax"
     assert torch.equal(debug["x"], x)
-    check_against_codec(kernel, ref, slots.tolist(), x, debug["c"], exact_scales=exact)
+    check_against_codec(kernel, ref, slots.tolist(), x, debug["c"], exact_scales=exact,
+                        r_before_fill=debug.get("r_before_fill"))
     codes = kernel.pages.codes
     assert bool((codes[0] == poison).all() and (codes[-1] == poison).all())  # untouched
 
@@ -123,7 +126,8 @@ def test_pack_kernel_matches_codec(shape, config):
 @needs_triton_device
 @pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
 @pytest.mark.parametrize("config", ["absmax-refit0-midtread", "default", "rms-refit2-midrise",
-                                    "reciprocal-refit1", "meanabs-refit1-midtread"])
+                                    "reciprocal-refit1", "meanabs-refit1-midtread", "fill-refit0",
+                                    "fill-refit1-midtread"])
 @pytest.mark.parametrize("shape", list(SHAPES), ids=list(SHAPES))
 def test_decode_kernel_matches_reference(shape, config, kda):
     num_rows, heads, q_heads, key_dim, value_dim, choices, pivot_rows, pivot_head = SHAPES[shape]
@@ -155,7 +159,9 @@ def test_decode_kernel_matches_reference(shape, config, kda):
     assert torch.equal(kernel.pages.codes[untouched], before[0][untouched])
     assert torch.equal(kernel.pages.row_scale[untouched], before[1][untouched])
     # exact codes given the kernel's own X and scales
-    check_against_codec(kernel, ref, slots[active].tolist(), x_kernel, debug["c"][active], exact_scales=False)
+    before_fill = debug.get("r_before_fill")
+    check_against_codec(kernel, ref, slots[active].tolist(), x_kernel, debug["c"][active], exact_scales=False,
+                        r_before_fill=None if before_fill is None else before_fill[active])
     # quantization error within 2x of the reference's
     index = slots[active].to(torch.int64)
     err_kernel = rel_rms(unpack(kernel.gather(index)).dequantize(), x_ref)
@@ -319,6 +325,16 @@ def test_gpu_gdn_qwen_shape(num_rows):
 @pytest.mark.parametrize("num_rows", [32, 256], ids=["B32", "B256"])
 def test_gpu_kda_kimi_shape(num_rows):
     _gpu_case(32, 32, True, num_rows, mixed_bits(32, 128, (4, 5, 6, 7, 8), seed=13, pivot_rows=26))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config", ["fill-refit0", "fill-refit1-midtread"])
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_gpu_row_fill(kda, config):  # the shipped STEPQuant plans' quantizers
+    bits = (mixed_bits(32, 128, (4, 5, 6, 7, 8), seed=14, pivot_rows=26) if kda
+            else torch.tensor([4, 5, 6, 7, 8, 6] * 8, dtype=torch.int8)[:, None].expand(48, 128).clone())
+    gpu_decode_case(fused_decode, bits, 32 if kda else 16, kda, 128, "dual_axis", **CONFIGS[config])
 
 
 @pytest.mark.gpu

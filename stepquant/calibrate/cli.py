@@ -187,6 +187,8 @@ def _quantizer_options(args) -> list[str]:
         parts += ["--division", args.division]
     if args.refit_iters != DEFAULT_REFIT_ITERS:
         parts += ["--refit-iters", str(args.refit_iters)]
+    if args.row_fill:
+        parts += ["--row-fill"]
     return parts
 
 
@@ -256,8 +258,11 @@ def _quantizer(args) -> DualAxisConfig:
     """The dual-axis quantizer the distortion table is measured with and the plans record."""
     if args.refit_iters < 0:
         raise ValueError(f"--refit-iters must be >= 0, got {args.refit_iters}")
+    if args.row_fill and args.division != "reciprocal":
+        raise ValueError("--row-fill needs --division reciprocal (the rows are rescaled from the Y the "
+                         "kernels hold)")
     return DualAxisConfig(grid=args.grid, row_stat=args.row_stat, division=args.division,
-                          refit_iters=args.refit_iters)
+                          refit_iters=args.refit_iters, row_fill=args.row_fill)
 
 
 def _stats_config(args) -> StatsConfig:
@@ -541,6 +546,12 @@ def add_cli(subparsers) -> None:
         default=DEFAULT_REFIT_ITERS,
         help=f"weighted least-squares column refits (default {DEFAULT_REFIT_ITERS}); the CUDA kernel is "
         "fastest with 1 (or 0: measured no worse at 6 bits, 5.6 standard errors worse at 4 bits on GDN)",
+    )
+    parser.add_argument(
+        "--row-fill",
+        action="store_true",
+        help="after the column scales, rescale each row so that its largest value reaches its grid's top "
+        "(needs --division reciprocal; docs/eval.md section 11: the shipped plans use it)",
     )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")

@@ -92,7 +92,7 @@ __all__ = [
     "weighted_error",
 ]
 
-_CONFIG_FIELDS = ("grid", "row_stat", "clip", "refit_iters", "step_normalised_refit", "division")
+_CONFIG_FIELDS = ("grid", "row_stat", "clip", "refit_iters", "step_normalised_refit", "division", "row_fill")
 _PATTERN = re.compile(r"^(int|dsq|dual)([0-9])(-sr)?$")
 
 

@@ -19,6 +19,11 @@ constexpr flags, and three per-row FP32 tensors come with the plan (:func:`row_f
           with gain_b = clip_b / qmax_b (one FP32 constant per bit width, :meth:`DualAxisConfig.gain`),
           qmax_b = Grid.qmax(b) and clip_b in (0, 1] the per-bit clipping ratio.
 4. codes u_ij = round_to_codes(Y_ij / c_j, b_i, grid)  (base.py: MIDTREAD rint, MIDRISE floor).
+3b. with ``row_fill``: r_i = fp16(clamp(r_i * u_i)), u_i = max_j |Y_ij / c_j| * gain_b(i) (the fraction
+          of row i's grid its largest value reaches), and Y = Y * fl(r_old * fl(1 / r_new)) (from step 3's
+          Y, which is what the kernels hold; so row_fill needs division="reciprocal"). Coordinate descent on
+          the rows after the columns: the column maxima are set by a few rows, and without it the others,
+          most often the narrow rows of a mixed head, keep a third of their levels (docs/eval.md section 11).
 5. ``refit_iters`` times: with codes fixed (levels z = u - zero(b)), the weighted least-squares column
           scale  c_j = sum_i v_i r_i z_ij X_ij / sum_i v_i r_i^2 z_ij^2  with row weights v_i =
           refit_weights = w_i^2 in every head of one bit width (columns whose denominator is 0 keep
@@ -100,6 +105,7 @@ DEFAULT_REFIT_ITERS = 2
 DEFAULT_STEP_NORMALISED_REFIT = True  # changes only heads with mixed bit widths
 DIVISIONS = ("exact", "reciprocal")
 DEFAULT_DIVISION = "exact"
+DEFAULT_ROW_FILL = False  # plans written before it existed did not fill their rows
 
 
 def _normalise_clip(clip) -> tuple[float, ...]:
@@ -140,6 +146,9 @@ class DualAxisConfig:
                  exact sum (round_to_codes exact_sum=True), refit numerator sum (v r^2 z) Y: one multiply
                  and one directed-rounding add per value instead of a division and two adds, which is
                  what the CUDA decode kernel computes
+    row_fill:    after the column init, rescale each integer row so that its largest |value| reaches the
+                 top of its own grid (step 3b of the module docstring); without it a row whose values are
+                 small next to the column maxima other rows set uses a fraction of its levels
     """
 
     grid: Grid = DEFAULT_GRID
@@ -148,6 +157,7 @@ class DualAxisConfig:
     refit_iters: int = DEFAULT_REFIT_ITERS
     step_normalised_refit: bool = DEFAULT_STEP_NORMALISED_REFIT
     division: str = DEFAULT_DIVISION
+    row_fill: bool = DEFAULT_ROW_FILL
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "grid", parse_grid(self.grid))
@@ -161,6 +171,11 @@ class DualAxisConfig:
             raise TypeError(f"step_normalised_refit must be a bool, got {self.step_normalised_refit!r}")
         if self.division not in DIVISIONS:
             raise ValueError(f"division must be one of {list(DIVISIONS)}, got {self.division!r}")
+        if not isinstance(self.row_fill, bool):
+            raise TypeError(f"row_fill must be a bool, got {self.row_fill!r}")
+        if self.row_fill and self.division != "reciprocal":
+            raise ValueError("row_fill=True needs division='reciprocal' (the filled rows are rescaled from "
+                             "Y, as the kernels hold it; exact division would need X again): pass both")
 
     def clip_for(self, bits: int) -> float:
         return self.clip[check_bits(bits) - MIN_BITS]
@@ -311,6 +326,8 @@ def dual_axis_iterates(
     y = scale_down(x, r[..., None], config)  # [N, H, K, V]
     c_init = torch.where(b_int, y.abs() * row_gain[None, :, :, None], torch.zeros_like(y)).amax(dim=2)
     c = fp16_scale(c_init)  # [N, H, V]
+    if config.row_fill:  # step 3b
+        y, r = fill_rows(y, r, c, plan, config)
     # step 4: codes
     codes = codes_for(y, c, b_bits, config)  # [N, H, K, V]
     yield emit(codes, c)
@@ -328,6 +345,22 @@ def dual_axis_iterates(
         denominator = torch.einsum("nhk,nhkv->nhv", w2r2, z * z)
         c = fp16_scale(torch.where(denominator > 0, numerator / denominator, c))
         yield emit(codes, c)
+
+
+def fill_rows(y: torch.Tensor, r: torch.Tensor, c: torch.Tensor, bits: torch.Tensor,
+              config: DualAxisConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step 3b: (Y', r') from Y [N, H, K, V], its row scales r [N, H, K] and the column scales c [N, H, V].
+
+    r'_i = fp16(clamp(r_i u_i)) with u_i = max_j |Y_ij / c_j| gain_b(i), and Y' = Y * fl(r_i * fl(1 / r'_i))
+    (pivot rows keep Y and r' = 1). The one definition of the fill: the kernels' row scales are checked
+    against it given their pre-fill r (tests/kernel_checks.py).
+    """
+    is_int = (bits != PIVOT_BITS).to(y.device)  # [H, K]
+    t = scale_down(y, c[:, :, None, :], config)  # [N, H, K, V]
+    used = t.abs().amax(dim=-1) * row_gains(bits, config).to(y.device)[None]  # [N, H, K]; 0 on pivot rows
+    filled = torch.where(is_int, fp16_scale(r * used), torch.ones_like(r))
+    factor = torch.where(is_int, r * (1.0 / filled), torch.ones_like(r))  # the kernels keep Y, not X
+    return y * factor[..., None], filled
 
 
 def scale_down(a: torch.Tensor, scale: torch.Tensor, config: DualAxisConfig) -> torch.Tensor:

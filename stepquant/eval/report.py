@@ -29,7 +29,11 @@ def read_records(paths: list[Path]) -> dict:
     """One eval record from one or more eval.json files (``.json.gz`` too: the committed large runs),
     their models side by side (e.g. one GPU call per model); settings and date from the first file.
 
-    A model in two files is an error (which run's rows would the tables show?)."""
+    A model in several files is merged when its FP32 reference record is the same in each (the same
+    streams through the same forward passes, as the eval's runs are deterministic on one machine and thread
+    count), so its rows stay paired block for block; a method in several files takes the last file's record
+    (a later run that re-evaluated it, e.g. a new plan), listed in the model's "replaced" entry. A model
+    whose FP32 records differ is an error: its rows from the two files would not be paired."""
     merged: dict | None = None
     for path in paths:
         text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
@@ -37,11 +41,18 @@ def read_records(paths: list[Path]) -> dict:
         if merged is None:
             merged = {**record, "models": dict(record["models"])}
             continue
-        twice = sorted(set(merged["models"]) & set(record["models"]))
-        if twice:
-            raise ValueError(f"model(s) {twice} appear in more than one of {[str(p) for p in paths]}: pass "
-                             "one eval.json per model")
-        merged["models"].update(record["models"])
+        for name, model in record["models"].items():
+            if name not in merged["models"]:
+                merged["models"][name] = model
+                continue
+            earlier = merged["models"][name]
+            if earlier["methods"].get("fp32") != model["methods"].get("fp32"):
+                raise ValueError(f"model {name!r} is in more than one of {[str(p) for p in paths]} with other "
+                                 "FP32 reference rows (other streams, lengths or machine): their rows are not "
+                                 "paired; pass one eval.json per model")
+            replaced = sorted(set(earlier["methods"]) & set(model["methods"]) - {"fp32"})
+            merged["models"][name] = {**earlier, "methods": {**earlier["methods"], **model["methods"]},
+                                      "replaced": sorted(set(earlier.get("replaced", [])) | set(replaced))}
     if merged is None:
         raise ValueError("no eval.json given")
     return merged

@@ -60,7 +60,7 @@ class _Params(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "q", "k", "v", "g", "beta", "x_in", "y", "work", "slots", "codes", "row_scale", "col_scale",
-        "heads", "row_info", "row_winv", "row_w2", "row_gain", "dbg_x", "dbg_c")] + [
+        "heads", "row_info", "row_winv", "row_w2", "row_gain", "dbg_x", "dbg_c", "dbg_r")] + [
         ("scale", ctypes.c_float), ("slot_words", ctypes.c_longlong), ("group_magic", ctypes.c_ulonglong),
         ("H", ctypes.c_int), ("HQ", ctypes.c_int), ("K", ctypes.c_int), ("num_scaled", ctypes.c_int),
         ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int)]
@@ -146,7 +146,8 @@ def defines_for(tables: FormatTables, part: str, kda: bool,
             ("SQ_MIDRISE", int(dual and tables.grid is Grid.MIDRISE)),
             ("SQ_RECIP", int(dual and config.division == "reciprocal")),
             ("SQ_ROW_STAT", ROW_STATS.index(config.row_stat)), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
-            ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_DEBUG", int(debug)),
+            ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_ROW_FILL", int(dual and config.row_fill)),
+            ("SQ_DEBUG", int(debug)),
             *sorted(TUNING.items()))
 
 
@@ -182,17 +183,19 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
     num_rows = slots.shape[0]
     heads, key_dim = tables.num_heads, tables.key_dim
     key_heads = heads if q is None else q.shape[1]
-    dbg_x = dbg_c = None
+    dbg_x = dbg_c = dbg_r = None
     if debug is not None:
         dbg_x = torch.full((num_rows, heads, key_dim, VALUE_DIM), float("nan"), device=device)
         dbg_c = torch.full((num_rows, heads, VALUE_DIM), float("nan"), device=device)
+        dbg_r = torch.full((num_rows, heads, key_dim), float("nan"), device=device)
     p = _Params(
         q=_ptr(q), k=_ptr(k), v=_ptr(v), g=_ptr(g), beta=_ptr(beta), x_in=_ptr(x_in), y=_ptr(y),
         work=_ptr(work),
         slots=_ptr(slots), codes=_ptr(pages.codes), row_scale=_ptr(pages.row_scale),
         col_scale=_ptr(pages.col_scale), heads=_ptr(tables.head_info), row_info=_ptr(tables.row_table),
         row_winv=_ptr(tables.row_winv), row_w2=_ptr(tables.row_w2), row_gain=_ptr(tables.row_gain),
-        dbg_x=_ptr(dbg_x), dbg_c=_ptr(dbg_c), scale=scale, slot_words=tables.words_per_slot,
+        dbg_x=_ptr(dbg_x), dbg_c=_ptr(dbg_c), dbg_r=_ptr(dbg_r), scale=scale,
+        slot_words=tables.words_per_slot,
         H=heads, HQ=key_heads, K=key_dim, group_magic=-(-(1 << 32) // (heads // key_heads)),
         num_scaled=tables.num_scaled_heads, l2norm=int(use_qk_l2norm),
         bf16_mask=sum(1 << i for i, t in enumerate((q, k, v, g, beta, y))
@@ -203,6 +206,8 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
         raise RuntimeError(f"CUDA decode kernel failed: {lib.sq_error_string(status).decode()}")
     if debug is not None:
         debug["x"], debug["c"] = dbg_x, dbg_c
+        if tables.format.config.row_fill and tables.has_col_scale:
+            debug["r_before_fill"] = dbg_r
 
 
 def _check_supported(tables: FormatTables) -> None:

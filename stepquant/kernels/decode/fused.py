@@ -348,6 +348,7 @@ def packed_step_kernel(
     IS_MIDRISE: tl.constexpr,
     REFIT_ITERS: tl.constexpr,
     RECIP: tl.constexpr,
+    ROW_FILL: tl.constexpr,  # DualAxisConfig.row_fill (with RECIP)
     STORE_DEBUG: tl.constexpr,
     APPROX_RCP: tl.constexpr,
 ):
@@ -374,7 +375,9 @@ def packed_step_kernel(
     p_slot = codes + i_s * slot_stride * WORD_ALIGN
     p_rs = row_scale + (i_s * num_scaled + i_hs) * K  # + row
     p_cs = col_scale + (i_s * num_scaled + i_hs) * V + o_j  # [8, NM]
-    p_work = work + (i_n * H + i_h) * (BK + BV)  # new row scales [BK], then u [BV]
+    # row scales [BK] (before the fill, with ROW_FILL), u [BV], with ROW_FILL the filled row scales [BK]
+    p_work = work + (i_n * H + i_h) * (BK + BV + (BK if ROW_FILL else 0))
+    p_fill = p_work + BK + BV
 
     b_c = tl.full([8, NM], 1.0, dtype=tl.float32)  # old column scales (1: none)
     b_u = tl.zeros([8, NM], dtype=tl.float32)
@@ -465,6 +468,21 @@ def packed_step_kernel(
         b_cn = _fp16_scale(tl.max(b_cm, 1))  # [8, NM] column init (dual-axis)
         tl.debug_barrier()  # the work buffer's row scales are read back by other threads
 
+        if ROW_FILL:
+            # ---- pass A2 (dual_axis.fill_rows): r' = fp16(r max_j |Y_ij / c_j| gain_b(i)) to p_fill
+            b_rci = tl.math.div_rn(tl.full(b_cn.shape, 1.0, tl.float32), b_cn)
+            for kb in range(NKB):
+                b_x, _, _, _, o_r, m_r, _, _, m_int, _, _, _ = _state_block(
+                    p_slot, p_rs, x_in, g, k, i_n, i_h, kb, b_c3, b_rc, b_eg, b_u3, f_k, i_hs, i_one,
+                    i_planes, plan_rows, o_p, o_m, o_j, m_m, m_j, H, HQ, K, V, BKB, NM, PLANES, WORD_ALIGN,
+                    IS_KDA, IS_MIDRISE, USE_UPDATE, UNIFORM_BITS)
+                b_rn = tl.load(p_work + o_r, mask=m_r, other=1.0)
+                b_t = _scale_down(b_x, b_rn, RECIP, APPROX_RCP) * b_rci[:, None, :]
+                b_gain = tl.load(plan_gain + i_h * K + o_r, mask=m_int, other=0.0)
+                b_used = tl.max(tl.max(tl.abs(b_t), 0), 1) * b_gain  # [BKB]
+                tl.store(p_fill + o_r, tl.where(m_int, _fp16_scale(b_rn * b_used), 1.0), mask=m_r)
+            tl.debug_barrier()
+
         # ---- passes B: codes against the current column scales; each refit pass refits them; the last
         # pass packs its codes in place (a barrier per block: every thread has read the old words first)
         NP: tl.constexpr = REFIT_ITERS if (USE_DUAL_AXIS and REFIT_ITERS > 0) else 1
@@ -483,6 +501,11 @@ def packed_step_kernel(
                     IS_KDA, IS_MIDRISE, USE_UPDATE, UNIFORM_BITS)
                 b_rn = tl.load(p_work + o_r, mask=m_r, other=1.0)
                 b_y = _scale_down(b_x, b_rn, RECIP, APPROX_RCP)
+                if ROW_FILL:  # Y' = Y fl(r fl(1 / r')), and r' from here on
+                    b_rf = tl.load(p_fill + o_r, mask=m_r, other=1.0)
+                    b_fac = b_rn * tl.math.div_rn(tl.full(b_rf.shape, 1.0, tl.float32), b_rf)
+                    b_y = b_y * tl.where(m_int, b_fac, 1.0)[None, :, None]
+                    b_rn = b_rf
                 if USE_DUAL_AXIS:
                     b_q8 = _codes(b_y, b_cc, b_rcc, b_zero, b_lo, b_hi, IS_MIDRISE, RECIP)  # [8, BKB, NM]
                     if REFIT_ITERS > 0:
@@ -513,7 +536,7 @@ def packed_step_kernel(
         # ---- new scales last: the passes above read the old ones
         tl.debug_barrier()
         if i_hs >= 0:
-            b_rw = tl.load(p_work + o_w, mask=o_w < K, other=1.0)
+            b_rw = tl.load((p_fill if ROW_FILL else p_work) + o_w, mask=o_w < K, other=1.0)
             tl.store(p_rs + o_w, b_rw.to(tl.float16), mask=o_w < K)
             if USE_DUAL_AXIS:
                 tl.store(p_cs, b_cn.to(tl.float16), mask=m_j)
@@ -530,10 +553,16 @@ def _word_align(value_dim: int) -> int:
 
 
 def work_buffer(tables: FormatTables, num_rows: int) -> torch.Tensor:
-    """Per (request, head) FP32 scratch: the new row scales [BK], then the readout's u [BV]."""
+    """Per (request, head) FP32 scratch: the new row scales [BK], then the readout's u [BV], and with a
+    row_fill quantizer the filled row scales [BK] (the first [BK] then hold the scales before the fill)."""
     block_k, block_v = _blocks(tables)
-    return torch.empty(num_rows, tables.num_heads, block_k + block_v, dtype=torch.float32,
+    fill = block_k if _row_fill(tables) else 0
+    return torch.empty(num_rows, tables.num_heads, block_k + block_v + fill, dtype=torch.float32,
                        device=tables.device)
+
+
+def _row_fill(tables: FormatTables) -> bool:
+    return tables.has_col_scale and tables.format.config.row_fill
 
 
 def _blocks(tables: FormatTables) -> tuple[int, int]:
@@ -571,6 +600,8 @@ def _launch(tables, pages, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2
     if debug is not None:
         debug["x"] = dbg_x[:, :, :key_dim, :value_dim]
         debug["c"] = dbg_c[:, :, :value_dim]
+        if _row_fill(tables):
+            debug["r_before_fill"] = work[:, :, :key_dim].clone()
 
 
 def _launch_group(tables, pages, slots, heads, planes, uniform_bits, q, k, v, g, beta, y, x_in, work, dbg_x,
@@ -611,6 +642,7 @@ def _launch_group(tables, pages, slots, heads, planes, uniform_bits, q, k, v, g,
         IS_MIDRISE=tables.grid is Grid.MIDRISE,
         REFIT_ITERS=config.refit_iters,
         RECIP=tables.has_col_scale and config.division == "reciprocal",
+        ROW_FILL=_row_fill(tables),
         STORE_DEBUG=debug,
         APPROX_RCP=not _INTERPRETED,
         num_warps=num_warps,

@@ -61,6 +61,10 @@
 #ifndef SQ_CLIPPED
 #define SQ_CLIPPED 0x1C  // bit b set: clip_b < 1, codes of the first pass need the clamp
 #endif
+#ifndef SQ_ROW_FILL
+#define SQ_ROW_FILL 0  // 1: DualAxisConfig.row_fill (each row rescaled to reach its grid's top; needs SQ_RECIP)
+#endif
+static_assert(!SQ_ROW_FILL || (SQ_DUAL && SQ_RECIP), "row fill is defined for the reciprocal dual-axis fit");
 
 // The launch arguments (cuda.py builds the same struct with ctypes). Outside the anonymous namespace:
 // a function taking a type of internal linkage gets internal linkage too, and ctypes could not find
@@ -86,6 +90,7 @@ struct Params {
     const float* row_gain;  // [H*K]: dual_axis.row_gains
     float* dbg_x;           // [N, H, K, V] or null: X before requantizing
     float* dbg_c;           // [N, H, V] or null: the column scales the stored codes were computed against
+    float* dbg_r;           // [N, H, K] or null: the row scales before the row fill (SQ_ROW_FILL)
     float scale;            // q scale (after the optional L2 norm)
     long long slot_words;   // W
     unsigned long long group_magic;  // ceil(2^32 / (H / HQ)): q/k head of head h = (h * group_magic) >> 32
@@ -444,6 +449,23 @@ __device__ __forceinline__ void store_codes_any(int* row, int b, int lane, uint3
     if ((b & 1) && (lane & 1) == 0) base[((b & 6) << 4) + (lane >> 1)] = uint8_t(pair);
 }
 
+// One step of the row fill's transposed butterfly: a lane holds partial maxima of 2N rows, keeps rows
+// [0, N) or [N, 2N) (bit M of its lane) and sends the others to lane ^ M, so each row's partial covers
+// twice the lanes; N a constant at every level, so the rows stay in registers.
+template <int N, int M>
+__device__ __forceinline__ void fold_row_maxima(float (&part)[ROWS], int lane) {
+    if constexpr (N >= 1) {
+        const bool upper = lane & M;
+#pragma unroll
+        for (int j = 0; j < N; ++j) {
+            const float send = upper ? part[j] : part[j + N];
+            const float keep = upper ? part[j + N] : part[j];
+            part[j] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, M));
+        }
+        fold_row_maxima<N / 2, M / 2>(part, lane);
+    }
+}
+
 // Steps 3-5 on the tile x (levels or float state in, nothing out): X, row scales, column scales, codes.
 template <int KIND>
 __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&x)[ROWS][COLS],
@@ -517,8 +539,10 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                     r_new = fp16_scale(__fdiv_rn(s, float((1 << (b - 1)) - 1)));
                 }
             }
-            if (has_scales) p.row_scale[rs_base + i] = __float2half_rn(r_new);
-            const float w2r2 = __fmul_rn(__fmul_rn(rp.y, r_new), r_new);
+            if (has_scales && !SQ_ROW_FILL) p.row_scale[rs_base + i] = __float2half_rn(r_new);
+            if (SQ_DEBUG && SQ_ROW_FILL) p.dbg_r[nh * K + i] = r_new;
+            // with the row fill, rowq.y keeps r itself until step 4b replaces both fields
+            const float w2r2 = SQ_ROW_FILL ? r_new : __fmul_rn(__fmul_rn(rp.y, r_new), r_new);
             sm.rowq[i] = make_float2((SQ_RECIP && SQ_DUAL) ? __frcp_rn(r_new) : r_new, w2r2);
         }
         __syncwarp();
@@ -566,6 +590,40 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
         load_cols();
     }
 
+    // ---- 4b. row fill: u_i = max_j |Y_ij / c_j| gain_b(i), r_i <- fp16(r_i u_i), Y_i <- Y_i fl(r_i / r_i')
+    // (the factor is applied in the first code pass). The row maxima stay in the warp: a transposed
+    // butterfly halves the rows a lane holds at each of the first log2(ROWS) shuffles, so lane l ends with
+    // row (l / LANES_PER_ROW) of the warp, and the last shuffles finish it across LANES_PER_ROW lanes.
+    if constexpr (SQ_ROW_FILL) {
+        float part[ROWS];
+#pragma unroll
+        for (int r = 0; r < ROWS; ++r) {
+            part[r] = 0.f;
+            if (!row_pivot[r]) {
+#pragma unroll
+                for (int c = 0; c < COLS; ++c) part[r] = fmaxf(part[r], fabsf(__fmul_rn(x[r][c], rcc[c])));
+            }
+        }
+        fold_row_maxima<ROWS / 2, 16>(part, lane);
+#pragma unroll
+        for (int m = 1; m < LANES_PER_ROW; m <<= 1) part[0] = fmaxf(part[0], __shfl_xor_sync(0xffffffffu, part[0], m));
+        const int i = row0 + lane / LANES_PER_ROW;
+        if (lane % LANES_PER_ROW == 0 && row0 < K) {
+            const int b = KIND ? KIND : (sm.rinfo[i] & 31);
+            float fill = 1.f;  // pivot rows: factor and scale 1
+            float r_new = 1.f;
+            if (b <= 8) {
+                const float r_old = sm.rowq[i].y;
+                const float gain = KIND ? sm.rowp[0].z : sm.rowp[i].z;
+                r_new = fp16_scale(__fmul_rn(r_old, __fmul_rn(part[0], gain)));
+                fill = __fmul_rn(r_old, __frcp_rn(r_new));
+            }
+            if (has_scales) p.row_scale[rs_base + i] = __float2half_rn(r_new);
+            sm.rowq[i] = make_float2(fill, __fmul_rn(__fmul_rn(sm.rowp[i].y, r_new), r_new));
+        }
+        __syncwarp();
+    }
+
     // ---- 5. codes against the current column scales; refits; the last pass packs in place
     constexpr bool REFIT = SQ_DUAL && SQ_REFITS > 0;
     // one pass over the tile: codes (clamped to the grid unless they provably stay on it), refit sums,
@@ -573,6 +631,9 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     // stay on the grid: |Y_ij| gain <= c_j (1 + 2^-11) (c_j is max_i |Y_ij| gain rounded to nearest FP16), so
     // |t| <= qmax_b + 2^-11 qmax_b < qmax_b + 1/2, unless a column's maximum passed 65504 and its scale
     // saturated there (SATURATED: an |X| of ~1e11 and more): then they are clamped as every other code.
+    // With the row fill the bound holds too: u_i is taken against the rounded c, and r'_i = fp16(r_i u_i)
+    // is below r_i u_i by at most 2^-11 relative (or clamped up at 2^-14; clamped down at 65504 it is
+    // still within 2^-11 of r_i u_i when u_i <= 1 + 2^-11), so |t'| <= qmax_b (1 + 2^-10) < qmax_b + 1/2.
     constexpr bool MAY_SKIP_CLAMP = KIND && SQ_DUAL && !((SQ_CLIPPED >> KIND) & 1);  // first codes unclamped
     auto code_pass = [&]<bool FIRST, bool LAST, bool SATURATED>() {
         float num[COLS] = {0.f, 0.f, 0.f, 0.f}, den[COLS] = {0.f, 0.f, 0.f, 0.f};
@@ -593,6 +654,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                 uint32_t code[COLS];
 #pragma unroll
                 for (int c = 0; c < COLS; ++c) {
+                    if (SQ_ROW_FILL && FIRST) x[r][c] = __fmul_rn(x[r][c], rq.x);  // step 4b's factor
                     float t;
                     if constexpr (!SQ_DUAL) t = div_fp16(x[r][c], rq.x, __fdividef(1.f, rq.x));
                     else if constexpr (SQ_RECIP) t = __fmul_rn(x[r][c], rcc[c]);
