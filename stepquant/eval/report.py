@@ -47,9 +47,9 @@ def read_records(paths: list[Path]) -> dict:
                 continue
             earlier = merged["models"][name]
             if earlier["methods"].get("fp32") != model["methods"].get("fp32"):
-                raise ValueError(f"model {name!r} is in more than one of {[str(p) for p in paths]} with other "
-                                 "FP32 reference rows (other streams, lengths or machine): their rows are not "
-                                 "paired; pass one eval.json per model")
+                raise ValueError(f"model {name!r} is in more than one of {[str(p) for p in paths]} with "
+                                 "other FP32 reference rows (other streams, lengths or machine): their rows "
+                                 "are not paired; pass one eval.json per model")
             replaced = sorted(set(earlier["methods"]) & set(model["methods"]) - {"fp32"})
             merged["models"][name] = {**earlier, "methods": {**earlier["methods"], **model["methods"]},
                                       "replaced": sorted(set(earlier.get("replaced", [])) | set(replaced))}
