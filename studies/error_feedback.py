@@ -10,10 +10,10 @@ error feedback, and its paired difference to INT8 (both over the eval's blocks: 
 the per-block differences, stepquant.eval.report.paired_difference).
 
     python -m studies.error_feedback --out runs/ef                  # the eval (~30 min on 2 shared cores)
-    python -m studies.error_feedback --table docs/results/error_feedback_eval.json --out docs/results
+    python -m studies.error_feedback --table docs/results/error_feedback_eval.json.gz --out docs/results
 
 Writes error_feedback.md and .json into --out (with the eval under <out>/eval unless --table is given;
-the committed run's eval.json and eval.md are docs/results/error_feedback_eval.{json,md}).
+the committed run's eval.json, gzipped, and eval.md are docs/results/error_feedback_eval.{json.gz,md}).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stepquant.eval.report import paired_difference
+from stepquant.eval.report import paired_difference, read_records
 
 METHODS = ("fp32", "int8", "int6", "int6-ef4", "int4", "int4-ef4", "int4-ef32", "stepquant-6",
            "stepquant-6-ef4", "stepquant-4", "stepquant-4-ef4")
@@ -39,7 +39,7 @@ def eval_command(out: Path) -> list[str]:
 def table(eval_json: Path, equal_bytes: str = EQUAL_BYTES) -> dict:
     """Rows of every model of an eval.json: excess, paired differences to the plain format and to
     ``equal_bytes`` (the method whose bytes the error-feedback rows roughly cost)."""
-    record = json.loads(eval_json.read_text())
+    record = read_records([eval_json])
     result = {"command": record["command"], "machine": record["machine"], "date": record["date"],
               "equal_bytes": equal_bytes, "eval_json": str(eval_json),
               "seconds": record["seconds"], "settings": record["settings"], "models": {}}

@@ -4,7 +4,8 @@
 
 On real states of a shipped model (the end of the first --segments calibration segments, studies.dump_states),
 each dual-axis plan's bits and w are fitted three ways: the plan's quantizer without the row fill, with it
-(DualAxisConfig.row_fill), and rowwise absmax at the same bits (the temporal-only format). Per row width it
+(DualAxisConfig.row_fill, which needs reciprocal division: an exact-division plan is fitted with reciprocals
+there), and rowwise absmax at the same bits (the temporal-only format). Per row width it
 prints the median fraction of its grid a row's largest code reaches (1.0: the top level) and the mean
 relative squared error of a row, sum_j (X_ij - X^_ij)^2 / sum_j X_ij^2, plus the whole state's relative
 error. FP16 pivot rows are left out. The column scales are shared by all rows of a head and set by its
@@ -76,7 +77,8 @@ def markdown(model: str, segments: int, tables: dict, command: str) -> str:
              "linear-attention layer. `used`: median fraction of its grid a row's largest code reaches "
              "(1 = the top level) without / with the fill; errors: mean relative squared error of a row "
              "(`all`: of the whole state) for the plan's dual-axis fit without the fill, with it, and "
-             "rowwise absmax at the same bits.", ""]
+             "rowwise absmax at the same bits. The fill needs reciprocal division, so for a plan on exact "
+             "division (the spatial-only ones) the fill column also divides by reciprocals.", ""]
     for name, table in tables.items():
         lines += [f"## {name} ({table.pop('quantizer')})", "",
                   "| width | rows | used | used, fill | row error dual-axis | with fill | rowwise absmax |",

@@ -18,12 +18,12 @@ constexpr flags, and three per-row FP32 tensors come with the plan (:func:`row_f
 3. Y    = X / r  (row-normalised);  c_j = fp16(clamp(max_i |Y_ij| * gain_b(i), 2^-14, 65504))
           with gain_b = clip_b / qmax_b (one FP32 constant per bit width, :meth:`DualAxisConfig.gain`),
           qmax_b = Grid.qmax(b) and clip_b in (0, 1] the per-bit clipping ratio.
-4. codes u_ij = round_to_codes(Y_ij / c_j, b_i, grid)  (base.py: MIDTREAD rint, MIDRISE floor).
 3b. with ``row_fill``: r_i = fp16(clamp(r_i * u_i)), u_i = max_j |Y_ij / c_j| * gain_b(i) (the fraction
           of row i's grid its largest value reaches), and Y = Y * fl(r_old * fl(1 / r_new)) (from step 3's
           Y, which is what the kernels hold; so row_fill needs division="reciprocal"). Coordinate descent on
           the rows after the columns: the column maxima are set by a few rows, and without it the others,
           most often the narrow rows of a mixed head, keep a third of their levels (docs/eval.md section 11).
+4. codes u_ij = round_to_codes(Y_ij / c_j, b_i, grid)  (base.py: MIDTREAD rint, MIDRISE floor).
 5. ``refit_iters`` times: with codes fixed (levels z = u - zero(b)), the weighted least-squares column
           scale  c_j = sum_i v_i r_i z_ij X_ij / sum_i v_i r_i^2 z_ij^2  with row weights v_i =
           refit_weights = w_i^2 in every head of one bit width (columns whose denominator is 0 keep

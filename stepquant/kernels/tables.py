@@ -125,6 +125,11 @@ class FormatTables:
         return self.format.has_col_scale
 
     @property
+    def row_fill(self) -> bool:
+        """Whether the kernels refit the rows after the column scales (a dual-axis row_fill quantizer)."""
+        return self.has_col_scale and self.format.config.row_fill
+
+    @property
     def grid(self) -> Grid:
         return self.format.grid
 

@@ -146,7 +146,7 @@ def defines_for(tables: FormatTables, part: str, kda: bool,
             ("SQ_MIDRISE", int(dual and tables.grid is Grid.MIDRISE)),
             ("SQ_RECIP", int(dual and config.division == "reciprocal")),
             ("SQ_ROW_STAT", ROW_STATS.index(config.row_stat)), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
-            ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_ROW_FILL", int(dual and config.row_fill)),
+            ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_ROW_FILL", int(tables.row_fill)),
             ("SQ_DEBUG", int(debug)),
             *sorted(TUNING.items()))
 
@@ -206,7 +206,7 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
         raise RuntimeError(f"CUDA decode kernel failed: {lib.sq_error_string(status).decode()}")
     if debug is not None:
         debug["x"], debug["c"] = dbg_x, dbg_c
-        if tables.format.config.row_fill and tables.has_col_scale:
+        if tables.row_fill:
             debug["r_before_fill"] = dbg_r
 
 

@@ -556,13 +556,10 @@ def work_buffer(tables: FormatTables, num_rows: int) -> torch.Tensor:
     """Per (request, head) FP32 scratch: the new row scales [BK], then the readout's u [BV], and with a
     row_fill quantizer the filled row scales [BK] (the first [BK] then hold the scales before the fill)."""
     block_k, block_v = _blocks(tables)
-    fill = block_k if _row_fill(tables) else 0
+    fill = block_k if tables.row_fill else 0
     return torch.empty(num_rows, tables.num_heads, block_k + block_v + fill, dtype=torch.float32,
                        device=tables.device)
 
-
-def _row_fill(tables: FormatTables) -> bool:
-    return tables.has_col_scale and tables.format.config.row_fill
 
 
 def _blocks(tables: FormatTables) -> tuple[int, int]:
@@ -600,7 +597,7 @@ def _launch(tables, pages, slots, q, k, v, g, beta, y, x_in, *, scale, use_qk_l2
     if debug is not None:
         debug["x"] = dbg_x[:, :, :key_dim, :value_dim]
         debug["c"] = dbg_c[:, :, :value_dim]
-        if _row_fill(tables):
+        if tables.row_fill:
             debug["r_before_fill"] = work[:, :, :key_dim].clone()
 
 
@@ -642,7 +639,7 @@ def _launch_group(tables, pages, slots, heads, planes, uniform_bits, q, k, v, g,
         IS_MIDRISE=tables.grid is Grid.MIDRISE,
         REFIT_ITERS=config.refit_iters,
         RECIP=tables.has_col_scale and config.division == "reciprocal",
-        ROW_FILL=_row_fill(tables),
+        ROW_FILL=tables.row_fill,
         STORE_DEBUG=debug,
         APPROX_RCP=not _INTERPRETED,
         num_warps=num_warps,
