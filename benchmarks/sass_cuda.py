@@ -44,12 +44,14 @@ def main(argv=None) -> int:
     parser.add_argument("--row-fill", action="store_true", help="the row fill (DualAxisConfig.row_fill)")
     parser.add_argument("--rows", type=int, default=cuda.TUNING["SQ_ROWS"],
                         help="key rows per warp (SQ_ROWS: 16 = 8 warps per CTA, 8 = 16 warps)")
+    parser.add_argument("--items", type=int, default=cuda.TUNING["SQ_ITEMS"],
+                        help="batch rows per CTA (SQ_ITEMS; > 1 stages the next row's inputs)")
     args = parser.parse_args(argv)
     defines = {"SQ_PART": cuda.PARTS[args.part], "SQ_DUAL": 1, "SQ_MIDRISE": 1,
                "SQ_RECIP": int(args.division == "reciprocal"), "SQ_ROW_STAT": 1, "SQ_KDA": int(args.kda),
                "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_ROW_FILL": int(args.row_fill), "SQ_DEBUG": 0,
                "SQ_ONLY_KIND": args.kind,
-               "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": cuda.TUNING["SQ_MIN_BLOCKS"]}
+               "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": cuda.TUNING["SQ_MIN_BLOCKS"], "SQ_ITEMS": args.items}
     values_per_thread = 4 * args.rows  # a rows x 4 tile per thread
     nvcc = cuda.nvcc_path()
     if nvcc is None:

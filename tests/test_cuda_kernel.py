@@ -198,6 +198,57 @@ def test_split_readout_then_writeback():
         cuda.decode(split.tables, split.pages, slots, q, k, v, g, beta, part="writeback")
 
 
+def _rows_per_cta_case(shape, config, kda, num_rows, slots, device="cpu", items=3):
+    """Every output of the fused step and of the split readout + writeback, with one batch row per CTA and
+    with SQ_ITEMS = items (the staged pipeline), on BF16 inputs that start 2 bytes past a 16-byte boundary."""
+    bits, q_heads = _plan(shape) if isinstance(shape, str) else shape
+    num_slots = int(slots.max()) + 1
+    base = make_layer(bits, value_dim=128, num_slots=num_slots, device=device, **CONFIGS[config])
+    heads, key_dim = base.num_heads, base.key_dim
+    naive_pack_states(base, torch.arange(num_slots, dtype=torch.int32, device=device),
+                      torch.randn(num_slots, heads, key_dim, 128, generator=torch.Generator().manual_seed(22))
+                      .to(device))
+
+    def offset(t):  # the same values in a view one BF16 element past an aligned allocation
+        buffer = torch.empty(t.numel() + 1, dtype=torch.bfloat16, device=device)
+        buffer[1:].copy_(t.reshape(-1))
+        return buffer[1:].view(t.shape)
+
+    q, k, v, g, beta = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=21, device=device)
+    q, k, v, beta = (offset(t) for t in (q, k, v, beta))
+    outputs = {}
+    for rows in (1, items):
+        cuda.TUNING["SQ_ITEMS"] = rows
+        try:
+            fused, split = clone_layer(base), clone_layer(base)
+            y = torch.full((num_rows, heads, 128), float("nan"), device=device)
+            debug = {}
+            cuda.decode(fused.tables, fused.pages, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y,
+                        debug=debug)
+            work = offset(torch.zeros(num_rows, heads, 128, device=device)).float()
+            y_split = torch.full_like(y, float("nan"))
+            tensors = split.tables, split.pages
+            cuda.decode(*tensors, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y_split, part="readout",
+                        work=work)
+            cuda.decode(*tensors, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y_split, part="writeback",
+                        work=work)
+        finally:
+            cuda.TUNING["SQ_ITEMS"] = 1
+        outputs[rows] = [y, y_split, *debug.values(), *fused.tensors(), *split.tensors()]
+    for one, staged in zip(outputs[1], outputs[items], strict=True):
+        torch.testing.assert_close(staged, one, rtol=0, atol=0, equal_nan=True)
+    return outputs[1][0]
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+@pytest.mark.parametrize("config", ["reciprocal-refit1", "fill-refit0"])
+def test_rows_per_cta_store_what_one_row_per_cta_stores(config, kda):
+    # CTAs of 3 rows: a free row first, a CTA of free rows only, a last CTA of 2 (8 rows)
+    slots = torch.tensor([-1, 4, 1, -1, -1, -1, 6, 0], dtype=torch.int32)
+    y = _rows_per_cta_case("K112-mixed-pivots", config, kda, 8, slots)
+    assert torch.isnan(y[[0, 3, 4, 5]]).all() and not torch.isnan(y[[1, 2, 6, 7]]).any()
+
+
 def test_rejects_shapes_it_does_not_serve():
     layer = make_layer(torch.full((2, 16), 6, dtype=torch.int8), value_dim=64, num_slots=2)
     q, k, v, g, beta = token_inputs(2, 2, 2, 16, 64, False, seed=1)
@@ -282,6 +333,28 @@ def test_gpu_split_step_orders_writebacks():
     assert split.pending is not None
     split.wait_writes()
     assert all(torch.equal(a, b) for a, b in zip(fused.tensors(), split.tensors(), strict=True))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("items", [2, 4, 8])
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_gpu_rows_per_cta(kda, items):
+    # the staged pipeline on the GPU (cp.async groups, two buffers, misaligned BF16 inputs copied): every
+    # output bit-identical to one row per CTA, at B = 509 with free rows (the plan shapes of the tests above)
+    gen = torch.Generator().manual_seed(17)
+    if kda:
+        bits = torch.randint(4, 9, (32, 128), generator=gen)
+        bits.view(-1)[torch.randperm(32 * 128, generator=gen)[:26]] = PIVOT_BITS
+        shape = bits.to(torch.int8), 32
+    else:
+        bits = torch.tensor([4, 5, 6, 7, 8, 6] * 8, dtype=torch.int8)[:, None].expand(48, 128).clone()
+        bits[7] = PIVOT_BITS
+        shape = bits, 16
+    slots = torch.randperm(600, generator=gen)[:509].to(torch.int32)
+    slots[torch.randperm(509, generator=gen)[:40]] = -1
+    slots[:items] = -1  # a CTA of free rows only
+    _rows_per_cta_case(shape, "fill-refit0", kda, 509, slots.cuda(), device="cuda", items=items)
 
 
 @pytest.mark.skipif(cuda.nvcc_path() is None, reason="needs nvcc")

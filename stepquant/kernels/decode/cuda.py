@@ -51,8 +51,11 @@ def _rows_per_warp() -> int:
 
 # tuning knobs compiled into the library (benchmarks/bench_decode.py times alternatives): CTAs per
 # multiprocessor the registers must allow, key rows per warp (16: 8 warps per CTA, a 16 x 4 register tile per
-# thread; 8: 16 warps, 8 x 4; STEPQUANT_CUDA_ROWS overrides the default)
-TUNING = {"SQ_MIN_BLOCKS": 2, "SQ_ROWS": _rows_per_warp()}
+# thread; 8: 16 warps, 8 x 4; STEPQUANT_CUDA_ROWS overrides the default), batch rows per CTA (> 1: the fused
+# step and the writeback copy the next row's inputs into shared memory while one row computes)
+TUNING = {"SQ_MIN_BLOCKS": 2, "SQ_ROWS": _rows_per_warp(), "SQ_ITEMS": 1}
+STAGED_PARTS = ("fused", "writeback")  # the parts SQ_ITEMS > 1 stages (packed_step.cu's STAGED)
+ALIGN = 16  # bytes: the staged parts copy their inputs in 16-byte chunks
 
 
 class _Params(ctypes.Structure):
@@ -173,6 +176,11 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t, or a copy of it where its data does not start on a 16-byte boundary (a view at an offset)."""
+    return t if t is None or t.data_ptr() % ALIGN == 0 else t.clone()
+
+
 def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *, part: str,
            scale: float, use_qk_l2norm: bool, work: torch.Tensor | None = None,
            debug: dict | None = None) -> None:
@@ -180,6 +188,14 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
     kda = g is not None and g.dim() == 3
     device = tables.device
     lib = _load(defines_for(tables, part, kda, debug is not None), _target(device))
+    if TUNING["SQ_ITEMS"] > 1 and part in STAGED_PARTS:
+        q, k, v, g, beta, work = (_aligned(t) for t in (q, k, v, g, beta, work))
+        for name in ("codes", "row_scale", "col_scale"):
+            t = getattr(pages, name)
+            if t is not None and t.data_ptr() % ALIGN:
+                raise ValueError(f"pages.{name} starts {t.data_ptr() % ALIGN} bytes past a {ALIGN}-byte "
+                                 "boundary; the CUDA kernel copies it in 16-byte chunks (allocate the pages "
+                                 "with Pages.empty, not as a view at an offset)")
     num_rows = slots.shape[0]
     heads, key_dim = tables.num_heads, tables.key_dim
     key_heads = heads if q is None else q.shape[1]

@@ -64,6 +64,9 @@
 #ifndef SQ_ROW_FILL
 #define SQ_ROW_FILL 0  // 1: DualAxisConfig.row_fill (each row rescaled to reach its grid's top; needs SQ_RECIP)
 #endif
+#ifndef SQ_ITEMS
+#define SQ_ITEMS 1  // tuning: batch rows per CTA (one head); > 1 stages the next row's inputs while one computes
+#endif
 static_assert(!SQ_ROW_FILL || (SQ_DUAL && SQ_RECIP), "row fill is defined for the reciprocal dual-axis fit");
 
 // The launch arguments (cuda.py builds the same struct with ctypes). Outside the anonymous namespace:
@@ -121,6 +124,13 @@ enum Part { FUSED = 0, READOUT = 1, WRITEBACK = 2, PACK = 3 };
 constexpr bool DO_READOUT = SQ_PART == FUSED || SQ_PART == READOUT;
 constexpr bool DO_WRITEBACK = SQ_PART != READOUT;
 constexpr bool FROM_CODES = SQ_PART != PACK;
+// SQ_ITEMS > 1 (fused step and writeback): a CTA steps SQ_ITEMS batch rows of one head in turn, and every
+// input of the next row (code words, old scales, k, q, g, v or u, beta) is copied into shared memory by
+// cp.async while the current row computes, so a row's setup waits on global memory only for the CTA's first
+// row; the plan's row tables (one head) are loaded once per CTA. The readout alone keeps one row per CTA
+// (few registers: its occupancy would fall to the two CTAs that the staging buffers leave room for).
+constexpr bool STAGED = SQ_ITEMS > 1 && FROM_CODES && SQ_PART != READOUT;
+static_assert(SQ_ITEMS >= 1 && SQ_ITEMS <= 32, "SQ_ITEMS: 1 to 32 batch rows per CTA");
 
 
 
@@ -149,13 +159,31 @@ struct Shared {
     int rinfo[MAX_K];         // first word << 5 | bits
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
     float red[12];
+    int item_slot[SQ_ITEMS];  // the slots of the CTA's batch rows (STAGED)
     float readout[OWN_READOUT_BUFFER ? 2 * NUM_WARPS * V : 1];  // readout partials [k or q][warp][V]
-    union {
-        uint4 stage[STAGE_WORDS / 4];             // the head's code words (step 1)
-        float scratch[SCRATCH];                   // partials of steps 3-5 (above)
+    union {  // STAGED: both live in the staging buffers (below) instead
+        uint4 stage[STAGED ? 1 : STAGE_WORDS / 4];  // the head's code words (step 1)
+        float scratch[STAGED ? 1 : SCRATCH];        // partials of steps 3-5 (above)
     };
 };
 static_assert(sizeof(Shared) <= 48 * 1024, "static shared memory");
+
+// STAGED: one batch row's inputs as cp.async leaves them (raw FP32 or BF16 bytes; a scalar as the aligned
+// 4-byte word that holds it), followed by its code words; the scratch of steps 3-5 shares a buffer's memory
+// (its reads of the inputs end at the first barrier, of the codes at the barrier before step 3, as with
+// Shared::stage). Two buffers per CTA in dynamic shared memory: one row computes from one while the next
+// row's copies land in the other.
+struct Staged {
+    uint4 k[32], q[32];   // [K] of the row's q/k head (FP32: K / 4 chunks of 16 bytes, BF16: K / 8)
+    uint4 g[32];          // [K] KDA gates
+    uint4 v[32];          // [V] v (fused) or u (writeback, FP32)
+    uint4 rs[16], cs[16]; // [K], [V] FP16 old row and column scales
+    uint32_t beta_word, g_word, pad[2];  // the words holding beta and a GDN head's gate
+    uint4 codes[STAGE_WORDS / 4];
+};
+constexpr int STAGE_BUFFER = sizeof(Staged) > 4 * SCRATCH ? int(sizeof(Staged)) : 4 * SCRATCH;  // bytes
+static_assert(STAGE_BUFFER % 16 == 0, "16-byte copies");
+constexpr int STAGED_BYTES = STAGED ? 2 * STAGE_BUFFER : 0;  // dynamic shared memory per CTA
 
 __device__ __forceinline__ float fp16_scale(float x) {
     // base.fp16_scale: clamp in FP32, round to nearest FP16
@@ -381,11 +409,31 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
 #endif
 }
 
-__device__ __forceinline__ void cp_async_wait_all() {
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+#ifdef SQ_EMULATE
+    memcpy(smem, gmem, 4);
+#else
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
+#endif
+}
+
+__device__ __forceinline__ void cp_async_commit() {
 #ifndef SQ_EMULATE
     asm volatile("cp.async.commit_group;\n" ::);
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
+}
+
+template <int PENDING>  // wait until at most PENDING of this thread's committed groups are in flight
+__device__ __forceinline__ void cp_async_wait() {
+#ifndef SQ_EMULATE
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+    cp_async_commit();
+    cp_async_wait<0>();
 }
 
 // Heads of mixed row widths (KDA) branch on each row's width b (warp-uniform) at run time: the planes
@@ -471,7 +519,7 @@ template <int KIND>
 __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&x)[ROWS][COLS],
                                            const bool (&row_pivot)[ROWS], const float (&c_old)[COLS],
                                            float fk, long long nh, int* slot_codes, long long rs_base,
-                                           long long cs_base, bool has_scales, int4 head) {
+                                           long long cs_base, bool has_scales, int4 head, float* scratch) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int K = p.K;
     const int row0 = warp * ROWS;
@@ -483,7 +531,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     {
         const float4 u4 = *reinterpret_cast<const float4*>(&sm.col[1][4 * lane]);
         const float u[COLS] = {fk * u4.x, fk * u4.y, fk * u4.z, fk * u4.w};  // k is stored before its norm
-        float* mine = sm.scratch + (warp * 32 + lane) * ROW_PAD;  // this lane's partial statistic per row
+        float* mine = scratch + (warp * 32 + lane) * ROW_PAD;  // this lane's partial statistic per row
 #pragma unroll
         for (int r0 = 0; r0 < ROWS; r0 += 4) {
             float stat[4] = {0.f, 0.f, 0.f, 0.f};
@@ -513,7 +561,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
         __syncwarp();
         // lanes LANES_PER_ROW rho + part (part < LANES_PER_ROW) reduce row rho of the warp
         const int rho = lane / LANES_PER_ROW, part = lane % LANES_PER_ROW;
-        const float* theirs = sm.scratch + (warp * 32 + part * (32 / LANES_PER_ROW)) * ROW_PAD + rho;
+        const float* theirs = scratch + (warp * 32 + part * (32 / LANES_PER_ROW)) * ROW_PAD + rho;
         float s = 0.f;
 #pragma unroll
         for (int l = 0; l < 32 / LANES_PER_ROW; ++l) {
@@ -570,7 +618,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                 colmax[c] = KIND ? fmaxf(colmax[c], fabsf(x[r][c])) : fmaxf(colmax[c], __fmul_rn(fabsf(x[r][c]), gain));
             }
         }
-        float* part = sm.scratch + COLMAX_AT;  // apart from the row partials other warps may still read
+        float* part = scratch + COLMAX_AT;  // apart from the row partials other warps may still read
         *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(colmax[0], colmax[1], colmax[2], colmax[3]);
         __syncthreads();
         bool over = false;
@@ -678,7 +726,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
         if constexpr (REFIT) {
             // refit c = sum (w^2 r^2 z) Y / sum (w^2 r^2 z) z over the head's rows (8 warps -> smem); the
             // buffer's row partials were read before the column maxima's barrier, and it lies apart from them
-            float* part = sm.scratch;
+            float* part = scratch;
             *reinterpret_cast<float4*>(&part[warp * V + 4 * lane]) = make_float4(num[0], num[1], num[2], num[3]);
             *reinterpret_cast<float4*>(&part[(NUM_WARPS + warp) * V + 4 * lane]) = make_float4(den[0], den[1], den[2], den[3]);
             __syncthreads();
@@ -717,8 +765,72 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
     }
 }
 
+// The plan's entries of key row i of head h (the same for every batch row): (first word << 5 | bits) and
+// Shared::rowp's (row factor, refit weight, gain, Width::round); rows past K get neutral entries (refit
+// weight 0 keeps them out of the fit, a valid width keeps their unused levels finite)
+struct RowEntry { int info; float4 rowp; };
+
+template <int KIND>
+__device__ __forceinline__ RowEntry row_entry(const Params& p, int h, int i, int4 head) {
+    int info = (head.z << 5) | (KIND ? KIND : 2);
+    float winv = 1.f, w2 = 0.f, gain = 0.f;
+    if (i < p.K) {
+        info = p.row_info[h * p.K + i];
+        winv = p.row_winv[h * p.K + i];
+        w2 = p.row_w2[h * p.K + i];
+        gain = p.row_gain[h * p.K + i];
+    }
+    const int b = info & 31;
+    return {info, make_float4(winv, w2, gain, MAGIC_ROUND + float(1 << ((b <= 8 ? b : 2) - 1)))};
+}
+
+// the 4-byte word that holds a BF16 or FP32 scalar (cp.async copies aligned words), and its index there
+__device__ __forceinline__ const void* word_of(const void* base, long long i, bool bf16) {
+    const uintptr_t at = reinterpret_cast<uintptr_t>(base) + uintptr_t(i) * (bf16 ? 2 : 4);
+    return reinterpret_cast<const void*>(at & ~uintptr_t(3));
+}
+__device__ __forceinline__ int index_in_word(long long i, bool bf16) { return bf16 ? int(i & 1) : 0; }
+
+// STAGED: cp.async copies of batch row n's inputs into a staging buffer (the caller commits the group).
+// Threads 0..255 copy the code words; then warp 0 k, warp 1 q, warp 2 the KDA gates, warp 3 v (or u),
+// warp 4 the old row (lanes 0..15) and column scales (lanes 16..31), warp 5 the words of beta and of a GDN
+// gate: one 16-byte chunk per lane (inputs are 16-byte aligned: cuda.launch copies any that is not).
+__device__ void stage_row(const Params& p, Staged& in, int n, int h, long long slot, int4 head) {
+    const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+    const int K = p.K;
+    const long long nh = (long long)n * p.H + h;
+    const long long qk = ((long long)n * p.HQ + int((uint64_t(h) * p.group_magic) >> 32)) * K;
+    const uint4* src = reinterpret_cast<const uint4*>(p.codes + slot * p.slot_words + head.z);
+#pragma unroll 1
+    for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(in.codes + e, src + e);
+    // elements first.. of base, count of them, element size 2 (bf16) or 4: lane's chunk of 16 bytes
+    auto chunk = [&](uint4* dst, const void* base, long long first, int count, bool bf16, int c) {
+        const int size = bf16 ? 2 : 4;
+        if (16 * c < count * size)
+            cp_async16(dst + c, static_cast<const char*>(base) + first * size + 16 * c);
+    };
+    const bool has_scales = head.y >= 0;
+    const long long scales = slot * p.num_scaled + head.y;
+    if (warp == 0) chunk(in.k, p.k, qk, K, p.bf16_mask & 2, lane);
+    else if (warp == 1) chunk(in.q, p.q, qk, K, p.bf16_mask & 1, lane);
+    else if (warp == 2 && SQ_KDA) chunk(in.g, p.g, nh * K, K, p.bf16_mask & 8, lane);
+    else if (warp == 3) {
+        if (DO_READOUT) chunk(in.v, p.v, nh * V, V, p.bf16_mask & 4, lane);
+        else chunk(in.v, p.work, nh * V, V, false, lane);
+    } else if (warp == 4 && has_scales) {
+        if (lane < 16) chunk(in.rs, p.row_scale, scales * K, K, true, lane);
+        else if (SQ_DUAL) chunk(in.cs, p.col_scale, scales * V, V, true, lane - 16);
+    } else if (warp == 5) {
+        if (lane == 0 && DO_READOUT) cp_async4(&in.beta_word, word_of(p.beta, nh, p.bf16_mask & 16));
+        if (lane == 1 && !SQ_KDA) cp_async4(&in.g_word, word_of(p.g, nh, p.bf16_mask & 8));
+    }
+}
+
 template <int KIND>  // 2..8: every row of the head has KIND bits; 0: per-row widths (and FP16 pivot rows)
-__device__ void head_step(const Params& p, Shared& sm, int n, int h, long long slot, int4 head) {
+__device__ void head_step(const Params& p, Shared& sm, int n, int h, long long slot, int4 head,
+                          const Staged* in, uint4* stage, float* scratch) {
+    // in: STAGED, batch row n's copied inputs (stage_row; the row tables are in sm already), else null;
+    // stage: where the head's code words are staged (in->codes, or Shared::stage); scratch: steps 3-5's
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int K = p.K;
     const int hs = head.y;  // scale slot, -1: the head has no scales (a GDN pivot head)
@@ -733,51 +845,58 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
 
     // ---- 0. every global input of the step is loaded here, before the first barrier, so that the CTA
-    // waits on global memory once. First what does not depend on the slot id (in flight while it arrives):
-    // per key row (threads 0..127) k, q, the gate and the row's table entries; per value column (threads
-    // 128..255) v and beta (or u of the split). Rows past K are neutral: a = k = q = 0 makes their X zero,
-    // refit weight 0 keeps them out of the fit, a valid width keeps their (unused) levels finite; nothing
-    // of theirs is stored.
-    float k_i = 0.f, q_i = 0.f, eg = 1.f, r_old = 1.f, winv = 1.f, w2 = 0.f, gain = 0.f;  // row threads
-    int info = (head.z << 5) | (KIND ? KIND : 2);
+    // waits on global memory once (STAGED: on none; the inputs were copied while the previous row computed).
+    // First what does not depend on the slot id (in flight while it arrives): per key row (threads 0..127)
+    // k, q, the gate and the row's table entries; per value column (threads 128..255) v and beta (or u of
+    // the split). Rows past K are neutral: a = k = q = 0 makes their X zero (and row_entry's); nothing of
+    // theirs is stored.
+    float k_i = 0.f, q_i = 0.f, eg = 1.f, r_old = 1.f;  // row threads
+    RowEntry entry{};
     float v_j = 0.f, beta = 0.f;  // column threads (v_j: u in the split writeback)
     if (tid < MAX_K) {
         const int i = tid;
+        if constexpr (!STAGED) entry = row_entry<KIND>(p, h, i, head);
         if (i < K) {
-            if (SQ_PART != PACK) {
-                k_i = load_in(p.k, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 2);
-                q_i = load_in(p.q, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 1);
+            if constexpr (STAGED) {
+                k_i = load_in(in->k, i, p.bf16_mask & 2);
+                q_i = load_in(in->q, i, p.bf16_mask & 1);
+                eg = SQ_KDA ? load_in(in->g, i, p.bf16_mask & 8)
+                            : load_in(&in->g_word, index_in_word(nh, p.bf16_mask & 8), p.bf16_mask & 8);
+            } else {
+                if (SQ_PART != PACK) {
+                    k_i = load_in(p.k, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 2);
+                    q_i = load_in(p.q, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 1);
+                }
+                if (FROM_CODES) eg = load_in(p.g, SQ_KDA ? nh * K + i : nh, p.bf16_mask & 8);
             }
-            info = p.row_info[h * K + i];
-            if (FROM_CODES) eg = load_in(p.g, SQ_KDA ? nh * K + i : nh, p.bf16_mask & 8);
-            winv = p.row_winv[h * K + i];
-            w2 = p.row_w2[h * K + i];
-            gain = p.row_gain[h * K + i];
         }
     } else if (column_thread(tid)) {
         const int j = tid - MAX_K;
         if constexpr (DO_READOUT) {
-            v_j = load_in(p.v, nh * V + j, p.bf16_mask & 4);
-            beta = load_in(p.beta, nh, p.bf16_mask & 16);
+            v_j = STAGED ? load_in(in->v, j, p.bf16_mask & 4) : load_in(p.v, nh * V + j, p.bf16_mask & 4);
+            beta = STAGED ? load_in(&in->beta_word, index_in_word(nh, p.bf16_mask & 16), p.bf16_mask & 16)
+                          : load_in(p.beta, nh, p.bf16_mask & 16);
         } else if constexpr (SQ_PART == WRITEBACK) {
-            v_j = p.work[nh * V + j];
+            v_j = STAGED ? reinterpret_cast<const float*>(in->v)[j] : p.work[nh * V + j];
         }
     }
     if (slot < 0) return;  // a free batch row: its output and every slot stay untouched (no barrier yet)
     // then the slot's: its code words into shared memory (16-byte copies: rows are 16-byte multiples at
     // V = 128), the old row and column scales
-    if constexpr (FROM_CODES) {
+    if constexpr (FROM_CODES && !STAGED) {
         const uint4* src = reinterpret_cast<const uint4*>(slot_codes + head.z);
-        uint4* dst = sm.stage;
 #pragma unroll 1
-        for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(dst + e, src + e);
+        for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(stage + e, src + e);
     }
     if (tid < MAX_K) {
         const int i = tid;
-        if (FROM_CODES && has_scales && i < K) r_old = __half2float(p.row_scale[rs_base + i]);  // pivot rows: unused
-        sm.rinfo[i] = info;
-        const int b = info & 31;
-        sm.rowp[i] = make_float4(winv, w2, gain, MAGIC_ROUND + float(1 << ((b <= 8 ? b : 2) - 1)));
+        if (FROM_CODES && has_scales && i < K)  // pivot rows: unused
+            r_old = __half2float(STAGED ? reinterpret_cast<const __half*>(in->rs)[i] : p.row_scale[rs_base + i]);
+        if constexpr (!STAGED) {
+            sm.rinfo[i] = entry.info;
+            sm.rowp[i] = entry.rowp;
+        }
+        const int b = (STAGED ? sm.rinfo[i] : entry.info) & 31;
         sm.rowq[i] = make_float2(1.f, 0.f);
         // D S = diag(a) Z diag(c) (pivot rows: a = e^g, Z = the values, c = 1); rows past K: a = 0. k and q
         // enter before their norms (fk, fq below need every row's k and q; they scale the sums instead)
@@ -787,9 +906,12 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
     } else if (column_thread(tid)) {
         const int j = tid - MAX_K;
-        sm.col[0][j] = (SQ_DUAL && has_scales && FROM_CODES) ? __half2float(p.col_scale[cs_base + j]) : 1.f;
+        float c_old = 1.f;
+        if (SQ_DUAL && has_scales && FROM_CODES)
+            c_old = __half2float(STAGED ? reinterpret_cast<const __half*>(in->cs)[j] : p.col_scale[cs_base + j]);
+        sm.col[0][j] = c_old;
     }
-    if constexpr (FROM_CODES) cp_async_wait_all();
+    if constexpr (FROM_CODES && !STAGED) cp_async_wait_all();
     __syncthreads();
     const float kn = sm.red[0] + sm.red[1] + sm.red[2] + sm.red[3];
     const float qn = sm.red[4] + sm.red[5] + sm.red[6] + sm.red[7];
@@ -817,7 +939,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         acc[0][c] = acc[1][c] = 0.f;
         if (KIND == 0) inv_c[c] = c_old[c] > 0.f ? __frcp_rn(c_old[c]) : 0.f;
     }
-    const int* stage = reinterpret_cast<const int*>(sm.stage);
+    const int* stage_words = reinterpret_cast<const int*>(stage);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
         const int i = row0 + r;
@@ -840,13 +962,13 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
                 // widths of two or three planes: byte spreading per row (fewer instructions per value
                 // than merging the planes value by value); one plane: the per-value merge
                 if constexpr (KIND == 5 || KIND == 7) {
-                    levels_any(stage + row_offset(i), KIND, lane, x[r], level_offset(KIND));
+                    levels_any(stage_words + row_offset(i), KIND, lane, x[r], level_offset(KIND));
                 } else {
-                    levels<KIND>(load_chunks<KIND>(stage + row_offset(i), lane), x[r]);
+                    levels<KIND>(load_chunks<KIND>(stage_words + row_offset(i), lane), x[r]);
                 }
                 sum_row(x[r]);
             } else {
-                const int* row = stage + row_offset(i);
+                const int* row = stage_words + row_offset(i);
                 if (row_pivot[r]) {
                     pivot_values(row, lane, x[r]);
                     float z[COLS];
@@ -873,7 +995,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     // ---- 2. u and y: threads 128..255 sum k^T D S and compute u (they hold v and beta), threads 0..127
     // sum q^T D S and store y once u is there
     if constexpr (DO_READOUT) {
-        float* part = OWN_READOUT_BUFFER ? sm.readout : sm.scratch;  // [k or q][NUM_WARPS][V]
+        float* part = OWN_READOUT_BUFFER ? sm.readout : scratch;  // [k or q][NUM_WARPS][V]
 #pragma unroll
         for (int a = 0; a < 2; ++a)
             *reinterpret_cast<float4*>(&part[(a * NUM_WARPS + warp) * V + 4 * lane]) =
@@ -906,28 +1028,86 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         __syncthreads();
     }
     if constexpr (DO_WRITEBACK) {
-        requantize<KIND>(p, sm, x, row_pivot, c_old, fk, nh, slot_codes, rs_base, cs_base, has_scales, head);
+        requantize<KIND>(p, sm, x, row_pivot, c_old, fk, nh, slot_codes, rs_base, cs_base, has_scales, head,
+                         scratch);
     }
 }
 
-__global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(const Params p) {
+// Batch rows blockIdx.x * SQ_ITEMS .. of head blockIdx.y, one after another (one row per CTA by default).
+// STAGED: the row tables once, then a two-buffer pipeline: while row m computes from one buffer, the copies
+// of the next row with a slot land in the other (cp.async groups: one per row, waited one row late; one
+// barrier per row both ends the previous row's reads of the buffer refilled next and publishes the copies).
+template <int KIND>
+__device__ void head_rows(const Params& p, Shared& sm, uint4* staged_mem, int num_rows, int rows, int h,
+                          int4 head) {
+    const int n0 = blockIdx.x * rows;  // rows <= SQ_ITEMS
+    if constexpr (!STAGED) {
+#pragma unroll 1
+        for (int m = 0; m < rows && n0 + m < num_rows; ++m) {
+            if (m > 0) __syncthreads();  // the previous row's reads of shared memory are done
+            // slot -1: a free batch row (head_step returns before its first barrier)
+            head_step<KIND>(p, sm, n0 + m, h, p.slots[n0 + m], head, nullptr, sm.stage, sm.scratch);
+        }
+    } else {
+        const int tid = threadIdx.x;
+        if (tid < rows) sm.item_slot[tid] = n0 + tid < num_rows ? p.slots[n0 + tid] : -1;
+        if (tid < MAX_K) {
+            const RowEntry entry = row_entry<KIND>(p, h, tid, head);
+            sm.rinfo[tid] = entry.info;
+            sm.rowp[tid] = entry.rowp;
+        }
+        __syncthreads();
+        auto next_row = [&](int m) {  // the next of the CTA's rows with a slot (free rows stay untouched)
+            do ++m; while (m < rows && sm.item_slot[m] < 0);
+            return m;
+        };
+        auto buffer = [&](int which) {  // arithmetic, not an array indexed at run time (local memory)
+            return reinterpret_cast<Staged*>(reinterpret_cast<char*>(staged_mem) + which * STAGE_BUFFER);
+        };
+        int m = next_row(-1);  // the row computed next
+        int ahead = m;         // the row whose copies are issued next (one call site: one copy of the code)
+        // turn t >= 1 computes the (t-1)-th row after issuing the t-th row's copies; turn 0 issues the first's
+#pragma unroll 1
+        for (int turn = 0; m < rows; ++turn) {
+            if (turn > 0) {
+                cp_async_wait<0>();  // row m's copies (issued a row ago) have landed
+                __syncthreads();     // ... for every thread, and the previous row is done: its buffer is free
+            }
+            if (ahead < rows) {
+                stage_row(p, *buffer(turn & 1), n0 + ahead, h, sm.item_slot[ahead], head);
+                ahead = next_row(ahead);
+            }
+            cp_async_commit();
+            if (turn == 0) continue;
+            Staged* in = buffer((turn - 1) & 1);
+            head_step<KIND>(p, sm, n0 + m, h, sm.item_slot[m], head, in, in->codes, reinterpret_cast<float*>(in));
+            m = next_row(m);
+        }
+    }
+}
+
+__global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(const Params p, int num_rows, int rows) {
     __shared__ Shared sm;
-    const int n = blockIdx.x, h = blockIdx.y;
-    const int slot = p.slots[n];  // -1: a free batch row (head_step returns before its first barrier)
+#ifdef SQ_EMULATE
+    __shared__ uint4 staged_mem[STAGED_BYTES / 16 + 1];
+#else
+    extern __shared__ uint4 staged_mem[];  // STAGED_BYTES: the two staging buffers
+#endif
+    const int h = blockIdx.y;
     const int4 head = reinterpret_cast<const int4*>(p.heads)[h];  // (kind, scale slot, first word, words)
 #ifdef SQ_ONLY_KIND  // one body alone, for offline instruction counts (benchmarks/sass_cuda.py)
-    head_step<SQ_ONLY_KIND>(p, sm, n, h, slot, head);
+    head_rows<SQ_ONLY_KIND>(p, sm, staged_mem, num_rows, rows, h, head);
     return;
 #endif
     switch (head.x) {
-        case 2: head_step<2>(p, sm, n, h, slot, head); break;
-        case 3: head_step<3>(p, sm, n, h, slot, head); break;
-        case 4: head_step<4>(p, sm, n, h, slot, head); break;
-        case 5: head_step<5>(p, sm, n, h, slot, head); break;
-        case 6: head_step<6>(p, sm, n, h, slot, head); break;
-        case 7: head_step<7>(p, sm, n, h, slot, head); break;
-        case 8: head_step<8>(p, sm, n, h, slot, head); break;
-        default: head_step<0>(p, sm, n, h, slot, head); break;
+        case 2: head_rows<2>(p, sm, staged_mem, num_rows, rows, h, head); break;
+        case 3: head_rows<3>(p, sm, staged_mem, num_rows, rows, h, head); break;
+        case 4: head_rows<4>(p, sm, staged_mem, num_rows, rows, h, head); break;
+        case 5: head_rows<5>(p, sm, staged_mem, num_rows, rows, h, head); break;
+        case 6: head_rows<6>(p, sm, staged_mem, num_rows, rows, h, head); break;
+        case 7: head_rows<7>(p, sm, staged_mem, num_rows, rows, h, head); break;
+        case 8: head_rows<8>(p, sm, staged_mem, num_rows, rows, h, head); break;
+        default: head_rows<0>(p, sm, staged_mem, num_rows, rows, h, head); break;
     }
 }
 
@@ -937,11 +1117,34 @@ extern "C" int sq_packed_step(const Params* p, int num_rows, int device, void* s
     cudaError_t err = cudaSetDevice(device);
     if (err != cudaSuccess) return int(err);
     if (num_rows == 0) return 0;
-    dim3 grid(num_rows, p->H);
+    // batch rows per CTA: SQ_ITEMS, fewer where the grid would then fill the GPU's multiprocessors (two
+    // CTAs each) fewer than 4 times (a small batch keeps its CTAs; the emulation takes SQ_ITEMS)
+    int rows = SQ_ITEMS;
 #ifdef SQ_EMULATE
-    emulate_launch(grid, dim3(THREADS), packed_step_kernel, *p);
+    dim3 grid((num_rows + rows - 1) / rows, p->H);
+    emulate_launch(grid, dim3(THREADS), packed_step_kernel, *p, num_rows, rows);
 #else
-    packed_step_kernel<<<grid, THREADS, 0, static_cast<cudaStream_t>(stream)>>>(*p);
+    if (SQ_ITEMS > 1) {
+        static int sms[64] = {};
+        int count = device < 64 ? sms[device] : 0;
+        if (count == 0) {
+            err = cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+            if (err != cudaSuccess) return int(err);
+            if (device < 64) sms[device] = count;
+        }
+        const long long per_cta = (long long)num_rows * p->H / (4LL * 2 * count);
+        rows = int(per_cta < 1 ? 1 : per_cta < SQ_ITEMS ? per_cta : SQ_ITEMS);
+    }
+    dim3 grid((num_rows + rows - 1) / rows, p->H);
+    if (STAGED_BYTES > 0) {  // past the 48 KB a launch gets without asking (once per process and device)
+        static bool raised[64] = {};
+        if (device >= 64 || !raised[device]) {
+            err = cudaFuncSetAttribute(packed_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGED_BYTES);
+            if (err != cudaSuccess) return int(err);
+            if (device < 64) raised[device] = true;
+        }
+    }
+    packed_step_kernel<<<grid, THREADS, STAGED_BYTES, static_cast<cudaStream_t>(stream)>>>(*p, num_rows, rows);
 #endif
     return int(cudaGetLastError());
 }
