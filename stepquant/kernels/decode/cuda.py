@@ -52,8 +52,16 @@ def _rows_per_warp() -> int:
 # tuning knobs compiled into the library (benchmarks/bench_decode.py times alternatives): CTAs per
 # multiprocessor the registers must allow, key rows per warp (16: 8 warps per CTA, a 16 x 4 register tile per
 # thread; 8: 16 warps, 8 x 4; STEPQUANT_CUDA_ROWS overrides the default), batch rows per CTA (> 1: the fused
-# step and the writeback copy the next row's inputs into shared memory while one row computes)
-TUNING = {"SQ_MIN_BLOCKS": 2, "SQ_ROWS": _rows_per_warp(), "SQ_ITEMS": 1}
+# step and the writeback copy the next row's inputs into shared memory while one row computes;
+# STEPQUANT_CUDA_ITEMS overrides the default)
+def _rows_per_cta() -> int:
+    rows = os.environ.get("STEPQUANT_CUDA_ITEMS", "1")
+    if not rows.isdigit() or not 1 <= int(rows) <= 32:
+        raise ValueError(f"STEPQUANT_CUDA_ITEMS={rows!r}: the CUDA kernel steps 1 to 32 batch rows per CTA")
+    return int(rows)
+
+
+TUNING = {"SQ_MIN_BLOCKS": 2, "SQ_ROWS": _rows_per_warp(), "SQ_ITEMS": _rows_per_cta()}
 STAGED_PARTS = ("fused", "writeback")  # the parts SQ_ITEMS > 1 stages (packed_step.cu's STAGED)
 ALIGN = 16  # bytes: the staged parts copy their inputs in 16-byte chunks
 
