@@ -400,23 +400,19 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // ---------------------------------------------------------------- the step of one (request, head)
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+// an asynchronous copy of BYTES (16: bypassing L1, or 4) from global to shared memory
+template <int BYTES>
+__device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
+    static_assert(BYTES == 16 || BYTES == 4, "cp.async copies 16 or 4 bytes here");
 #ifdef SQ_EMULATE
-    memcpy(smem, gmem, 16);
+    memcpy(smem, gmem, BYTES);
 #else
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+    if constexpr (BYTES == 16) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+    else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 #endif
 }
-
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-#ifdef SQ_EMULATE
-    memcpy(smem, gmem, 4);
-#else
-    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
-#endif
-}
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { cp_async<16>(smem, gmem); }
 
 __device__ __forceinline__ void cp_async_commit() {
 #ifndef SQ_EMULATE
@@ -821,8 +817,8 @@ __device__ void stage_row(const Params& p, Staged& in, int n, int h, long long s
         if (lane < 16) chunk(in.rs, p.row_scale, scales * K, K, true, lane);
         else if (SQ_DUAL) chunk(in.cs, p.col_scale, scales * V, V, true, lane - 16);
     } else if (warp == 5) {
-        if (lane == 0 && DO_READOUT) cp_async4(&in.beta_word, word_of(p.beta, nh, p.bf16_mask & 16));
-        if (lane == 1 && !SQ_KDA) cp_async4(&in.g_word, word_of(p.g, nh, p.bf16_mask & 8));
+        if (lane == 0 && DO_READOUT) cp_async<4>(&in.beta_word, word_of(p.beta, nh, p.bf16_mask & 16));
+        if (lane == 1 && !SQ_KDA) cp_async<4>(&in.g_word, word_of(p.g, nh, p.bf16_mask & 8));
     }
 }
 
