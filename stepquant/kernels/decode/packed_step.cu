@@ -160,7 +160,7 @@ struct Shared {
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
     float red[12];
     int item_slot[SQ_ITEMS];  // the slots of the CTA's batch rows (STAGED)
-    float readout[OWN_READOUT_BUFFER ? 2 * NUM_WARPS * V : 1];  // readout partials [k or q][warp][V]
+    alignas(16) float readout[OWN_READOUT_BUFFER ? 2 * NUM_WARPS * V : 1];  // readout partials [k or q][warp][V]
     union {  // STAGED: both live in the staging buffers (below) instead
         uint4 stage[STAGED ? 1 : STAGE_WORDS / 4];  // the head's code words (step 1)
         float scratch[STAGED ? 1 : SCRATCH];        // partials of steps 3-5 (above)
@@ -1035,14 +1035,16 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
 // barrier per row both ends the previous row's reads of the buffer refilled next and publishes the copies).
 template <int KIND>
 __device__ void head_rows(const Params& p, Shared& sm, uint4* staged_mem, int num_rows, int rows, int h,
-                          int4 head) {
+                          int4 head, int first_slot) {
     const int n0 = blockIdx.x * rows;  // rows <= SQ_ITEMS
-    if constexpr (!STAGED) {
+    if constexpr (SQ_ITEMS == 1) {  // one row per CTA, as before SQ_ITEMS (a loop cost the readout 21 registers)
+        head_step<KIND>(p, sm, n0, h, first_slot, head, nullptr, sm.stage, sm.scratch);
+    } else if constexpr (!STAGED) {
 #pragma unroll 1
         for (int m = 0; m < rows && n0 + m < num_rows; ++m) {
             if (m > 0) __syncthreads();  // the previous row's reads of shared memory are done
             // slot -1: a free batch row (head_step returns before its first barrier)
-            head_step<KIND>(p, sm, n0 + m, h, p.slots[n0 + m], head, nullptr, sm.stage, sm.scratch);
+            head_step<KIND>(p, sm, n0 + m, h, m ? p.slots[n0 + m] : first_slot, head, nullptr, sm.stage, sm.scratch);
         }
     } else {
         const int tid = threadIdx.x;
@@ -1091,19 +1093,21 @@ __global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(con
 #endif
     const int h = blockIdx.y;
     const int4 head = reinterpret_cast<const int4*>(p.heads)[h];  // (kind, scale slot, first word, words)
+    // the first row's slot, loaded beside the head entry (not after the switch on it: one round trip)
+    const int first_slot = p.slots[blockIdx.x * rows];
 #ifdef SQ_ONLY_KIND  // one body alone, for offline instruction counts (benchmarks/sass_cuda.py)
-    head_rows<SQ_ONLY_KIND>(p, sm, staged_mem, num_rows, rows, h, head);
+    head_rows<SQ_ONLY_KIND>(p, sm, staged_mem, num_rows, rows, h, head, first_slot);
     return;
 #endif
     switch (head.x) {
-        case 2: head_rows<2>(p, sm, staged_mem, num_rows, rows, h, head); break;
-        case 3: head_rows<3>(p, sm, staged_mem, num_rows, rows, h, head); break;
-        case 4: head_rows<4>(p, sm, staged_mem, num_rows, rows, h, head); break;
-        case 5: head_rows<5>(p, sm, staged_mem, num_rows, rows, h, head); break;
-        case 6: head_rows<6>(p, sm, staged_mem, num_rows, rows, h, head); break;
-        case 7: head_rows<7>(p, sm, staged_mem, num_rows, rows, h, head); break;
-        case 8: head_rows<8>(p, sm, staged_mem, num_rows, rows, h, head); break;
-        default: head_rows<0>(p, sm, staged_mem, num_rows, rows, h, head); break;
+        case 2: head_rows<2>(p, sm, staged_mem, num_rows, rows, h, head, first_slot); break;
+        case 3: head_rows<3>(p, sm, staged_mem, num_rows, rows, h, head, first_slot); break;
+        case 4: head_rows<4>(p, sm, staged_mem, num_rows, rows, h, head, first_slot); break;
+        case 5: head_rows<5>(p, sm, staged_mem, num_rows, rows, h, head, first_slot); break;
+        case 6: head_rows<6>(p, sm, staged_mem, num_rows, rows, h, head, first_slot); break;
+        case 7: head_rows<7>(p, sm, staged_mem, num_rows, rows, h, head, first_slot); break;
+        case 8: head_rows<8>(p, sm, staged_mem, num_rows, rows, h, head, first_slot); break;
+        default: head_rows<0>(p, sm, staged_mem, num_rows, rows, h, head, first_slot); break;
     }
 }
 
