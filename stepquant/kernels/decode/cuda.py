@@ -42,11 +42,11 @@ KEY_DIM_STEP = 16  # K is a multiple of the rows of one warp
 PARTS = {"fused": 0, "readout": 1, "writeback": 2, "pack": 3}
 
 
-def _rows_per_warp() -> int:
-    rows = os.environ.get("STEPQUANT_CUDA_ROWS", "16")
-    if rows not in ("8", "16"):
-        raise ValueError(f"STEPQUANT_CUDA_ROWS={rows!r}: the CUDA kernel holds 8 or 16 key rows per warp")
-    return int(rows)
+def _tuning_from_env(name: str, default: int, allowed, what: str) -> int:
+    value = os.environ.get(name, str(default))
+    if not value.isdigit() or int(value) not in allowed:
+        raise ValueError(f"{name}={value!r}: the CUDA kernel {what}")
+    return int(value)
 
 
 # tuning knobs compiled into the library (benchmarks/bench_decode.py times alternatives): CTAs per
@@ -54,14 +54,11 @@ def _rows_per_warp() -> int:
 # thread; 8: 16 warps, 8 x 4; STEPQUANT_CUDA_ROWS overrides the default), batch rows per CTA (> 1: the fused
 # step and the writeback copy the next row's inputs into shared memory while one row computes;
 # STEPQUANT_CUDA_ITEMS overrides the default)
-def _rows_per_cta() -> int:
-    rows = os.environ.get("STEPQUANT_CUDA_ITEMS", "1")
-    if not rows.isdigit() or not 1 <= int(rows) <= 32:
-        raise ValueError(f"STEPQUANT_CUDA_ITEMS={rows!r}: the CUDA kernel steps 1 to 32 batch rows per CTA")
-    return int(rows)
-
-
-TUNING = {"SQ_MIN_BLOCKS": 2, "SQ_ROWS": _rows_per_warp(), "SQ_ITEMS": _rows_per_cta()}
+TUNING = {
+    "SQ_MIN_BLOCKS": 2,
+    "SQ_ROWS": _tuning_from_env("STEPQUANT_CUDA_ROWS", 16, (8, 16), "holds 8 or 16 key rows per warp"),
+    "SQ_ITEMS": _tuning_from_env("STEPQUANT_CUDA_ITEMS", 1, range(1, 33), "steps 1 to 32 batch rows per CTA"),
+}
 STAGED_PARTS = ("fused", "writeback")  # the parts SQ_ITEMS > 1 stages (packed_step.cu's STAGED)
 ALIGN = 16  # bytes: the staged parts copy their inputs in 16-byte chunks
 

@@ -412,7 +412,6 @@ __device__ __forceinline__ void cp_async(void* smem, const void* gmem) {
     else asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(s), "l"(gmem));
 #endif
 }
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { cp_async<16>(smem, gmem); }
 
 __device__ __forceinline__ void cp_async_commit() {
 #ifndef SQ_EMULATE
@@ -420,16 +419,10 @@ __device__ __forceinline__ void cp_async_commit() {
 #endif
 }
 
-template <int PENDING>  // wait until at most PENDING of this thread's committed groups are in flight
-__device__ __forceinline__ void cp_async_wait() {
+__device__ __forceinline__ void cp_async_wait() {  // every group this thread committed has landed
 #ifndef SQ_EMULATE
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(PENDING) : "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 #endif
-}
-
-__device__ __forceinline__ void cp_async_wait_all() {
-    cp_async_commit();
-    cp_async_wait<0>();
 }
 
 // Heads of mixed row widths (KDA) branch on each row's width b (warp-uniform) at run time: the planes
@@ -798,12 +791,12 @@ __device__ void stage_row(const Params& p, Staged& in, int n, int h, long long s
     const long long qk = ((long long)n * p.HQ + int((uint64_t(h) * p.group_magic) >> 32)) * K;
     const uint4* src = reinterpret_cast<const uint4*>(p.codes + slot * p.slot_words + head.z);
 #pragma unroll 1
-    for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(in.codes + e, src + e);
+    for (int e = tid; e < head.w / 4; e += THREADS) cp_async<16>(in.codes + e, src + e);
     // elements first.. of base, count of them, element size 2 (bf16) or 4: lane's chunk of 16 bytes
     auto chunk = [&](uint4* dst, const void* base, long long first, int count, bool bf16, int c) {
         const int size = bf16 ? 2 : 4;
         if (16 * c < count * size)
-            cp_async16(dst + c, static_cast<const char*>(base) + first * size + 16 * c);
+            cp_async<16>(dst + c, static_cast<const char*>(base) + first * size + 16 * c);
     };
     const bool has_scales = head.y >= 0;
     const long long scales = slot * p.num_scaled + head.y;
@@ -882,7 +875,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     if constexpr (FROM_CODES && !STAGED) {
         const uint4* src = reinterpret_cast<const uint4*>(slot_codes + head.z);
 #pragma unroll 1
-        for (int e = tid; e < head.w / 4; e += THREADS) cp_async16(stage + e, src + e);
+        for (int e = tid; e < head.w / 4; e += THREADS) cp_async<16>(stage + e, src + e);
     }
     if (tid < MAX_K) {
         const int i = tid;
@@ -907,7 +900,10 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             c_old = __half2float(STAGED ? reinterpret_cast<const __half*>(in->cs)[j] : p.col_scale[cs_base + j]);
         sm.col[0][j] = c_old;
     }
-    if constexpr (FROM_CODES && !STAGED) cp_async_wait_all();
+    if constexpr (FROM_CODES && !STAGED) {
+        cp_async_commit();
+        cp_async_wait();
+    }
     __syncthreads();
     const float kn = sm.red[0] + sm.red[1] + sm.red[2] + sm.red[3];
     const float qn = sm.red[4] + sm.red[5] + sm.red[6] + sm.red[7];
@@ -1068,7 +1064,7 @@ __device__ void head_rows(const Params& p, Shared& sm, uint4* staged_mem, int nu
 #pragma unroll 1
         for (int turn = 0; m < rows; ++turn) {
             if (turn > 0) {
-                cp_async_wait<0>();  // row m's copies (issued a row ago) have landed
+                cp_async_wait();  // row m's copies (issued a row ago) have landed
                 __syncthreads();     // ... for every thread, and the previous row is done: its buffer is free
             }
             if (ahead < rows) {
