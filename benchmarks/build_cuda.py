@@ -29,6 +29,7 @@ from stepquant.kernels.decode import cuda  # noqa: E402
 from stepquant.kernels.tables import FormatTables  # noqa: E402
 
 PACK_EXACT = DualAxisConfig(refit_iters=0, row_stat="absmax")  # test_cuda_kernel's exact pack check
+ROWS_PER_CTA_TESTED = (2, 4, 8)  # test_gpu_rows_per_cta's SQ_ITEMS
 SERVING = (RECIPROCAL_1, RECIPROCAL_0, MIDTREAD_1, FILL_0, FILL_MIDTREAD_1)  # the plans' fast quantizers
 
 # (spatial, quantizer, part, kda, debug)
@@ -65,13 +66,17 @@ def main(argv=None) -> int:
         configs = [c for c in CONFIGS
                    if c[1] in SERVING and c[4] is False
                    and c[0] == "dual_axis"]
-    rows = cuda.TUNING["SQ_ROWS"]  # the default, or STEPQUANT_CUDA_ROWS
-    for spatial, quantizer, part, kda, debug in configs:
-        cuda.TUNING["SQ_ROWS"] = 8 if debug == "16 warps" else rows
+    # test_gpu_rows_per_cta: the shipped GDN@6 quantizer with several batch rows per CTA
+    items = [] if args.serving_only else [
+        (("dual_axis", FILL_0, part, kda, part == "fused"), m) for m in ROWS_PER_CTA_TESTED
+        for part in ("fused", "readout", "writeback") for kda in (False, True)]
+    defaults = dict(cuda.TUNING)  # SQ_ROWS and SQ_ITEMS: the defaults, or STEPQUANT_CUDA_ROWS / _ITEMS
+    for (spatial, quantizer, part, kda, debug), m in [(c, defaults["SQ_ITEMS"]) for c in configs] + items:
+        cuda.TUNING.update(SQ_ROWS=8 if debug == "16 warps" else defaults["SQ_ROWS"], SQ_ITEMS=m)
         bits = torch.full((1, 16), 6, dtype=torch.int8)
         tables = FormatTables(LayerFormat(bits, None, spatial, quantizer), 128)
         unique[cuda.defines_for(tables, part, kda, debug is True)] = None
-    cuda.TUNING["SQ_ROWS"] = rows
+    cuda.TUNING.update(defaults)
 
     def one(defines):
         t0 = time.time()

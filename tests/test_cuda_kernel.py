@@ -11,6 +11,7 @@ relative RMS, and the stored state's error at most 2x the reference's own quanti
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -216,7 +217,7 @@ def _rows_per_cta_case(shape, config, kda, num_rows, slots, device="cpu", items=
 
     q, k, v, g, beta = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=21, device=device)
     q, k, v, beta = (offset(t) for t in (q, k, v, beta))
-    outputs = {}
+    outputs, default = {}, cuda.TUNING["SQ_ITEMS"]
     for rows in (1, items):
         cuda.TUNING["SQ_ITEMS"] = rows
         try:
@@ -233,7 +234,7 @@ def _rows_per_cta_case(shape, config, kda, num_rows, slots, device="cpu", items=
             cuda.decode(*tensors, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y_split, part="writeback",
                         work=work)
         finally:
-            cuda.TUNING["SQ_ITEMS"] = 1
+            cuda.TUNING["SQ_ITEMS"] = default
         outputs[rows] = [y, y_split, *debug.values(), *fused.tensors(), *split.tensors()]
     for one, staged in zip(outputs[1], outputs[items], strict=True):
         torch.testing.assert_close(staged, one, rtol=0, atol=0, equal_nan=True)
@@ -247,6 +248,23 @@ def test_rows_per_cta_store_what_one_row_per_cta_stores(config, kda):
     slots = torch.tensor([-1, 4, 1, -1, -1, -1, 6, 0], dtype=torch.int32)
     y = _rows_per_cta_case("K112-mixed-pivots", config, kda, 8, slots)
     assert torch.isnan(y[[0, 3, 4, 5]]).all() and not torch.isnan(y[[1, 2, 6, 7]]).any()
+
+
+def test_rows_per_cta_refuse_misaligned_pages(monkeypatch):
+    # the staged parts copy the pages in 16-byte chunks: a view 2 bytes into an allocation is refused with
+    # the fix named, before any library is built or launched (the inputs q, k, v, g, beta are copied instead)
+    monkeypatch.setitem(cuda.TUNING, "SQ_ITEMS", 3)
+    layer = make_layer(torch.full((2, 16), 6, dtype=torch.int8), value_dim=128, num_slots=2)
+    shifted = torch.zeros(layer.pages.row_scale.numel() + 1, dtype=torch.float16)[1:]
+    pages = dataclasses.replace(layer.pages, row_scale=shifted.view(layer.pages.row_scale.shape))
+    inputs = token_inputs(2, 2, 2, 16, 128, False, seed=1)
+    monkeypatch.setattr(cuda, "_load", lambda *a: pytest.fail("built a library for a launch it must refuse"))
+    for part in cuda.STAGED_PARTS:
+        work = torch.zeros(2, 2, 128) if part == "writeback" else None
+        refused = "pages.row_scale starts 2 bytes past a 16-byte boundary.*Pages.empty"
+        with pytest.raises(ValueError, match=refused):
+            cuda.decode(layer.tables, pages, torch.tensor([0, 1], dtype=torch.int32), *inputs, part=part,
+                        work=work)
 
 
 def test_rejects_shapes_it_does_not_serve():

@@ -192,15 +192,15 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
     """One launch for every head of the layer (grid N x H); inputs already checked and contiguous FP32."""
     kda = g is not None and g.dim() == 3
     device = tables.device
-    lib = _load(defines_for(tables, part, kda, debug is not None), _target(device))
     if TUNING["SQ_ITEMS"] > 1 and part in STAGED_PARTS:
-        q, k, v, g, beta, work = (_aligned(t) for t in (q, k, v, g, beta, work))
         for name in ("codes", "row_scale", "col_scale"):
             t = getattr(pages, name)
             if t is not None and t.data_ptr() % ALIGN:
                 raise ValueError(f"pages.{name} starts {t.data_ptr() % ALIGN} bytes past a {ALIGN}-byte "
                                  "boundary; the CUDA kernel copies it in 16-byte chunks (allocate the pages "
                                  "with Pages.empty, not as a view at an offset)")
+        q, k, v, g, beta, work = (_aligned(t) for t in (q, k, v, g, beta, work))
+    lib = _load(defines_for(tables, part, kda, debug is not None), _target(device))
     num_rows = slots.shape[0]
     heads, key_dim = tables.num_heads, tables.key_dim
     key_heads = heads if q is None else q.shape[1]
