@@ -44,9 +44,12 @@ def main(argv=None) -> int:
     parser.add_argument("--row-fill", action="store_true", help="the row fill (DualAxisConfig.row_fill)")
     parser.add_argument("--rows", type=int, default=cuda.TUNING["SQ_ROWS"],
                         help="key rows per warp (SQ_ROWS: 16 = 8 warps per CTA, 8 = 16 warps)")
-    parser.add_argument("--items", type=int, default=cuda.TUNING["SQ_ITEMS"],
-                        help="batch rows per CTA (SQ_ITEMS; > 1 stages the next row's inputs)")
+    parser.add_argument("--items", type=int, default=None,
+                        help="batch rows per CTA (SQ_ITEMS; > 1 stages the next row's inputs; default: what "
+                             "cuda.defines_for compiles for the part)")
     args = parser.parse_args(argv)
+    if args.items is None:
+        args.items = cuda.TUNING["SQ_ITEMS"] if args.part in cuda.STAGED_PARTS else 1
     defines = {"SQ_PART": cuda.PARTS[args.part], "SQ_DUAL": 1, "SQ_MIDRISE": 1,
                "SQ_RECIP": int(args.division == "reciprocal"), "SQ_ROW_STAT": 1, "SQ_KDA": int(args.kda),
                "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_ROW_FILL": int(args.row_fill), "SQ_DEBUG": 0,

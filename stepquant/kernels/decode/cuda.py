@@ -51,13 +51,14 @@ def _tuning_from_env(name: str, default: int, allowed, what: str) -> int:
 
 # tuning knobs compiled into the library (benchmarks/bench_decode.py times alternatives): CTAs per
 # multiprocessor the registers must allow, key rows per warp (16: 8 warps per CTA, a 16 x 4 register tile per
-# thread; 8: 16 warps, 8 x 4; STEPQUANT_CUDA_ROWS overrides the default), batch rows per CTA (> 1: the fused
-# step and the writeback copy the next row's inputs into shared memory while one row computes;
-# STEPQUANT_CUDA_ITEMS overrides the default)
+# thread; 8: 16 warps, 8 x 4; STEPQUANT_CUDA_ROWS overrides the default), batch rows per CTA of the fused step
+# and the writeback (> 1: they copy the next row's inputs into shared memory while one row computes; 4
+# measured 3-8% faster than 1 on the H200, 2026-12-07, docs/kernels.md; the readout and the pack keep one row
+# per CTA, where rows past the first would only loop; STEPQUANT_CUDA_ITEMS overrides the default)
 TUNING = {
     "SQ_MIN_BLOCKS": 2,
     "SQ_ROWS": _tuning_from_env("STEPQUANT_CUDA_ROWS", 16, (8, 16), "holds 8 or 16 key rows per warp"),
-    "SQ_ITEMS": _tuning_from_env("STEPQUANT_CUDA_ITEMS", 1, range(1, 33), "steps 1 to 32 batch rows per CTA"),
+    "SQ_ITEMS": _tuning_from_env("STEPQUANT_CUDA_ITEMS", 4, range(1, 33), "steps 1 to 32 batch rows per CTA"),
 }
 STAGED_PARTS = ("fused", "writeback")  # the parts SQ_ITEMS > 1 stages (packed_step.cu's STAGED)
 ALIGN = 16  # bytes: the staged parts copy their inputs in 16-byte chunks
@@ -156,7 +157,7 @@ def defines_for(tables: FormatTables, part: str, kda: bool,
             ("SQ_ROW_STAT", ROW_STATS.index(config.row_stat)), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
             ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_ROW_FILL", int(tables.row_fill)),
             ("SQ_DEBUG", int(debug)),
-            *sorted(TUNING.items()))
+            *sorted({**TUNING, "SQ_ITEMS": TUNING["SQ_ITEMS"] if part in STAGED_PARTS else 1}.items()))
 
 
 def supported(tables: FormatTables) -> bool:
