@@ -49,7 +49,7 @@ def main(argv=None) -> int:
                              "cuda.defines_for compiles for the part)")
     args = parser.parse_args(argv)
     if args.items is None:
-        args.items = cuda.TUNING["SQ_ITEMS"] if args.part in cuda.STAGED_PARTS else 1
+        args.items = cuda.items_for(args.part)
     defines = {"SQ_PART": cuda.PARTS[args.part], "SQ_DUAL": 1, "SQ_MIDRISE": 1,
                "SQ_RECIP": int(args.division == "reciprocal"), "SQ_ROW_STAT": 1, "SQ_KDA": int(args.kda),
                "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_ROW_FILL": int(args.row_fill), "SQ_DEBUG": 0,

@@ -64,6 +64,11 @@ STAGED_PARTS = ("fused", "writeback")  # the parts SQ_ITEMS > 1 stages (packed_s
 ALIGN = 16  # bytes: the staged parts copy their inputs in 16-byte chunks
 
 
+def items_for(part: str) -> int:
+    """Batch rows per CTA compiled into a part: TUNING's SQ_ITEMS for the staged parts, else 1."""
+    return TUNING["SQ_ITEMS"] if part in STAGED_PARTS else 1
+
+
 class _Params(ctypes.Structure):
     """The kernel's Params struct, field for field (packed_step.cu)."""
 
@@ -157,7 +162,7 @@ def defines_for(tables: FormatTables, part: str, kda: bool,
             ("SQ_ROW_STAT", ROW_STATS.index(config.row_stat)), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
             ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_ROW_FILL", int(tables.row_fill)),
             ("SQ_DEBUG", int(debug)),
-            *sorted({**TUNING, "SQ_ITEMS": TUNING["SQ_ITEMS"] if part in STAGED_PARTS else 1}.items()))
+            *sorted({**TUNING, "SQ_ITEMS": items_for(part)}.items()))
 
 
 def supported(tables: FormatTables) -> bool:
@@ -193,7 +198,7 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
     """One launch for every head of the layer (grid N x H); inputs already checked and contiguous FP32."""
     kda = g is not None and g.dim() == 3
     device = tables.device
-    if TUNING["SQ_ITEMS"] > 1 and part in STAGED_PARTS:
+    if items_for(part) > 1:
         for name in ("codes", "row_scale", "col_scale"):
             t = getattr(pages, name)
             if t is not None and t.data_ptr() % ALIGN:
