@@ -47,18 +47,7 @@ if [ -z "${DRY_RUN:-}" ]; then
     if compgen -G ".whl/lm_eval/*.whl" > /dev/null; then :; else
         echo "no .whl/lm_eval/*.whl: run bash benchmarks/lm_eval_wheels.sh where pip reaches PyPI (the tests will skip)"
     fi
-    wheels=(.whl/*.whl .whl/lm_eval/*.whl)
-    existing=()
-    for w in "${wheels[@]}"; do [ -e "$w" ] && existing+=("$w"); done
-    if [ ${#existing[@]} -gt 0 ]; then
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${existing[@]}" 2>&1 | tail -n 3
-        export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-    fi
-    for tree in .whl/*.tgz; do  # transformers cut down to the shipped families (benchmarks/slim_transformers.sh)
-        [ -e "$tree" ] || continue
-        mkdir -p /tmp/site && tar xzf "$tree" -C /tmp/site
-        export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-    done
+    source benchmarks/carried_wheels.sh && carried_wheels .whl/lm_eval/*.whl
 fi
 export PYTHONPATH="$PWD:${PYTHONPATH:-}"
 export TRITON_INTERPRET=0

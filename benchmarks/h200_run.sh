@@ -26,18 +26,7 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
     echo "no CUDA GPU here: this script is for the H200 (use bench_decode.py --dry-run on a CPU)"
     exit 2
 fi
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -n 3
-    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-fi
-# a package tree packed as .tgz (e.g. transformers cut down to the model families the tests load, when
-# the wheel would not fit the upload) is unpacked there too
-for tree in .whl/*.tgz; do
-    [ -e "$tree" ] || continue
-    mkdir -p /tmp/site && tar xzf "$tree" -C /tmp/site
-    export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-done
-export PYTHONPATH="$PWD:${PYTHONPATH:-}"
+source benchmarks/carried_wheels.sh && carried_wheels  # .whl/ into /tmp/site; PYTHONPATH
 export TRITON_INTERPRET=0  # tests/test_kernels.py would otherwise default to the CPU interpreter
 export STEPQUANT_KERNEL_CACHE="${STEPQUANT_KERNEL_CACHE:-$PWD/.kcache}"
 # autotuned Triton kernels (fla's chunk prefill) run their first configuration: seconds, not minutes, of

@@ -26,14 +26,7 @@ BUDGET=${BUDGET:-560}  # seconds for the whole script; a step starts only with 6
 ONLY=${ONLY:-} TAG=${TAG:-only}
 mkdir -p "$OUT" "$WORK"
 STEPS="$WORK/steps.txt"
-if compgen -G ".whl/*.whl" > /dev/null; then
-    python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl 2>&1 | tail -n 3
-fi
-for tree in .whl/*.tgz; do
-    [ -e "$tree" ] || continue
-    mkdir -p /tmp/site && tar xzf "$tree" -C /tmp/site
-done
-export PYTHONPATH="$PWD:/tmp/site:${PYTHONPATH:-}"
+source benchmarks/carried_wheels.sh && carried_wheels  # .whl/ into /tmp/site; PYTHONPATH
 DEVICE=cuda
 python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || DEVICE=cpu
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
