@@ -5,6 +5,7 @@ core); without this they compile one after another at first use. Run before the 
 
     python benchmarks/build_cuda.py --jobs 16        # prints one line per library, then the total time
     python benchmarks/build_cuda.py --jobs 16 --serving-only   # only the libraries bench_generate.py uses
+    python benchmarks/build_cuda.py --jobs 16 --deferred-only  # only those of bench_deferred.py
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ CONFIGS = (
     + [("absmax", EXACT_2, "fused", kda, debug) for kda in (False, True) for debug in (False, True)]
     + [("dual_axis", q, "pack", False, debug) for q in (*DUAL, PACK_EXACT) for debug in (False, True)]
 )
+# the deferred format's fit, the writeback with pending updates (bench_deferred.py; with its plain debug twin,
+# test_gpu_writeback_folds_pending_updates): (quantizer, kda, debug)
+PENDING = [(q, kda, debug) for q in (FILL_0, FILL_MIDTREAD_1) for kda in (False, True)
+           for debug in (False, True)]
 
 
 def main(argv=None) -> int:
@@ -51,6 +56,8 @@ def main(argv=None) -> int:
                              "(bench_generate.py): fused, readout, writeback (GDN and KDA) and pack, "
                              "the shipped plans' quantizers (reciprocal, one refit or none, mid-rise or "
                              "mid-tread), no debug")
+    parser.add_argument("--deferred-only", action="store_true",
+                        help="only what bench_deferred.py and the pending-update GPU tests use")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to build (the CPU tests build the emulation on their own)")
@@ -62,12 +69,15 @@ def main(argv=None) -> int:
     # the benchmark also times the fused step and the readout compiled for 16 warps of 8 key rows
     configs = CONFIGS + [("dual_axis", RECIPROCAL_1, part, kda, "16 warps") for kda in (False, True)
                          for part in ("fused", "readout")]
+    if args.deferred_only:
+        configs = [c for c in CONFIGS if c[1] in (FILL_0, FILL_MIDTREAD_1) and c[2] in ("fused", "readout")
+                   and c[4] is False]
     if args.serving_only:
         configs = [c for c in CONFIGS
                    if c[1] in SERVING and c[4] is False
                    and c[0] == "dual_axis"]
     # test_gpu_rows_per_cta: the shipped GDN@6 quantizer with several batch rows per CTA
-    items = [] if args.serving_only else [
+    items = [] if args.serving_only or args.deferred_only else [
         (("dual_axis", FILL_0, part, kda, part == "fused"), m) for m in ROWS_PER_CTA_TESTED
         for part in ("fused", "readout", "writeback") for kda in (False, True)]
     defaults = dict(cuda.TUNING)  # SQ_ROWS and SQ_ITEMS: the defaults, or STEPQUANT_CUDA_ROWS / _ITEMS
@@ -76,6 +86,12 @@ def main(argv=None) -> int:
         bits = torch.full((1, 16), 6, dtype=torch.int8)
         tables = FormatTables(LayerFormat(bits, None, spatial, quantizer), 128)
         unique[cuda.defines_for(tables, part, kda, debug is True)] = None
+    if not args.serving_only:
+        for quantizer, kda, debug in PENDING:
+            tables = FormatTables(LayerFormat(torch.full((1, 16), 6, dtype=torch.int8), None, "dual_axis",
+                                              quantizer), 128)
+            for pending in (True, False):
+                unique[cuda.defines_for(tables, "writeback", kda, debug, pending)] = None
     cuda.TUNING.update(defaults)
 
     def one(defines):

@@ -47,6 +47,7 @@ def main(argv=None) -> int:
     parser.add_argument("--items", type=int, default=None,
                         help="batch rows per CTA (SQ_ITEMS; > 1 stages the next row's inputs; default: what "
                              "cuda.defines_for compiles for the part)")
+    parser.add_argument("--dump", type=Path, default=None, help="also write the body's disassembly here")
     args = parser.parse_args(argv)
     if args.items is None:
         args.items = cuda.items_for(args.part)
@@ -68,6 +69,8 @@ def main(argv=None) -> int:
                                text=True, check=True)
         sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout
+    if args.dump is not None:
+        args.dump.write_text(sass)
     resources = re.search(r"Used (\d+) registers", build.stderr)
     stack = re.search(r"(\d+) bytes stack frame", build.stderr)
     ops = []

@@ -396,3 +396,89 @@ def test_nvcc_build_exports_the_entry_points(tmp_path, monkeypatch):
     lib = ctypes.CDLL(str(cuda.build(cuda.defines_for(layer.tables, "fused", kda=False), "90")))
     assert lib.sq_params_size() == ctypes.sizeof(cuda._Params)
     assert lib.sq_packed_step and lib.sq_error_string
+
+
+def _pending_case(config: str, device: str = "cpu", num_rows: int = 3, shape: str = "K112-mixed-pivots"):
+    """The writeback of a deferred state's fit (SQ_PENDING): X = the plain writeback's X plus sum_j k_j u_j^T
+    of the FP16 pending updates, and the codes are the codec's given that X (check_against_codec)."""
+    kernel, q_heads = _layer(shape, config, num_slots=num_rows, device=device)
+    heads, key_dim = kernel.num_heads, kernel.key_dim
+    all_slots = torch.arange(num_rows, dtype=torch.int32, device=device)
+    naive_pack_states(kernel, all_slots, torch.randn(num_rows, heads, key_dim, 128, device=device))
+    plain = clone_layer(kernel)
+    slots = all_slots.flip(0).contiguous()
+    slots[1] = -1
+    q, k, v, g, beta = token_inputs(num_rows, heads, q_heads, key_dim, 128, True, seed=21, device=device)
+    gen = torch.Generator().manual_seed(22)
+    pend_k = (torch.randn(num_rows, heads, 2, key_dim, generator=gen) / 8).half().to(device)
+    pend_u = torch.randn(num_rows, heads, 2, 128, generator=gen).half().to(device)
+    work = torch.zeros(num_rows, heads, 128, device=device)
+    y = cuda.decode(kernel.tables, kernel.pages, slots, q, k, v, g, beta, use_qk_l2norm=True, part="readout",
+                    work=work)
+    debug, debug_plain = {}, {}
+    cuda.decode(plain.tables, plain.pages, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y.clone(),
+                part="writeback", work=work, debug=debug_plain)
+    cuda.decode(kernel.tables, kernel.pages, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y,
+                part="writeback", work=work, pending=(pend_k, pend_u), debug=debug)
+    active = slots >= 0
+    added = torch.einsum("nhjk,nhjv->nhkv", pend_k.float(), pend_u.float())
+    assert rel_rms(debug["x"][active], (debug_plain["x"] + added)[active]) < 1e-6
+    ref = clone_layer(kernel)
+    naive_pack_states(ref, slots, debug["x"])
+    check_against_codec(kernel, ref, slots[active].tolist(), debug["x"][active], debug["c"][active],
+                        exact_scales=False, far_share=1e-3,
+                        r_before_fill=debug["r_before_fill"][active] if "r_before_fill" in debug else None)
+    return kernel, slots, (q, k, v, g, beta), work, (pend_k, pend_u)
+
+
+@pytest.mark.parametrize("config", ["fill-refit0", "reciprocal-refit1-midtread"])
+def test_writeback_folds_pending_updates(config):
+    kernel, slots, inputs, work, (pend_k, pend_u) = _pending_case(config)
+    with pytest.raises(ValueError, match="pending must be"):
+        cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
+                    pending=(pend_k[:, :, :, :16], pend_u))
+    with pytest.raises(ValueError, match="folded by part='writeback'"):
+        cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="readout", work=work,
+                    pending=(pend_k, pend_u))
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("config", ["fill-refit0", "fill-refit1-midtread"])
+def test_gpu_writeback_folds_pending_updates(config):
+    _pending_case(config, device="cuda", num_rows=67, shape="K128-4b")
+
+
+def test_deferred_decode_follows_the_deferred_format():
+    """decode_deferred (readout every token, a fit every R-th) against the float recurrence that fits every
+    R-th token with the layer's codec (codecs/deferred.py's format): y by relative RMS over 7 tokens."""
+    from stepquant.kernels.decode.deferred import DeferredBuffers, decode_deferred
+    from stepquant.recurrence import prepare_qk, step
+
+    for kda in (True, False):
+        layer, q_heads = _layer("K48-uniform-3578", "fill-refit0", num_slots=2)
+        start = torch.randn(2, 4, 48, 128, generator=torch.Generator().manual_seed(5))
+        slots = torch.tensor([1, 0], dtype=torch.int32)
+        naive_pack_states(layer, slots, start)
+        state = last_fit = unpack(layer.gather(slots.long())).dequantize()
+        codec = layer.format.codec()
+        buffers = DeferredBuffers.empty(layer.tables, 2, every=3, kda=kda)
+        errors, moved = [], []
+        for t in range(7):
+            q, k, v, g, beta = token_inputs(2, 4, q_heads, 48, 128, kda, seed=30 + t)
+            y = decode_deferred(layer.tables, layer.pages, slots, q, k, v, g, beta, buffers,
+                                use_qk_l2norm=True)
+            b_q, b_k = prepare_qk(q, k, use_qk_l2norm=True, mode="kda" if kda else "gdn")
+            x, y_ref = step(state, b_q, b_k, v, g, beta)
+            errors.append(rel_rms(y, y_ref))
+            stored = unpack(layer.gather(slots.long())).dequantize()
+            if t % 3 == 2:  # a fit: the slots hold the codec's fit of (almost) the reference's X
+                fit = codec.roundtrip(x)
+                assert rel_rms(stored, x) <= 1.05 * rel_rms(fit, x)
+                state = last_fit = stored  # from here both read the kernel's codes (a code on a tie may flip)
+            else:
+                assert torch.equal(stored, last_fit)  # no write between fits
+                state = x
+            moved.append(buffers.age)
+        assert moved == [1, 2, 0, 1, 2, 0, 1]
+        assert max(errors) < 1e-3, errors  # FP16 pending updates and another summation order

@@ -10,6 +10,8 @@ Names:
   "<name>-ef<r>"              any of the above but "mixed" with error feedback: the rounding residual kept in
                               r bits (2..8 INT rowwise, 16 FP16, 32 FP32) and added before the next
                               requantization (error_feedback.py), e.g. "int6-ef4", "int8-ef4"
+  "<name>-defer<R>"           any of the above but "mixed" fitted every R-th decode token (R = 2..16), the
+                              float state kept between fits (deferred.py), e.g. "int6-defer4"
 
 A calibrated plan's layer is a :class:`LayerFormat` (layer_format.py: its codec, packed layout and bytes).
 
@@ -38,6 +40,7 @@ from .base import (
     round_to_codes,
 )
 from .cast import CastCodec
+from .deferred import MAX_DEFER, DeferredCodec, DeferredState, split_deferred
 from .dsq import DSQCodec
 from .dual_axis import (
     DualAxisCodec,
@@ -65,6 +68,8 @@ __all__ = [
     "DSQCodec",
     "DualAxisCodec",
     "DualAxisConfig",
+    "DeferredCodec",
+    "DeferredState",
     "ErrorFeedbackCodec",
     "ErrorFeedbackState",
     "Grid",
@@ -111,8 +116,12 @@ def codec_names() -> list[str]:
 
 def is_codec_name(name: str) -> bool:
     """Whether make_codec builds ``name`` without extra arguments: a base name but "mixed", optionally with
-    the error-feedback suffix "-ef<r>" (r in error_feedback.RESIDUAL_BITS)."""
-    base, residual = split_name(name.strip().lower())
+    the error-feedback suffix "-ef<r>" (r in error_feedback.RESIDUAL_BITS) or the deferral suffix
+    "-defer<R>" (R = 2..MAX_DEFER)."""
+    base, every = split_deferred(name.strip().lower())
+    if every is not None and not 2 <= every <= MAX_DEFER:
+        return False
+    base, residual = split_name(base)
     return base in codec_names() and base != "mixed" and (residual is None or residual in RESIDUAL_BITS)
 
 
@@ -131,6 +140,9 @@ def make_codec(name: str, **kwargs) -> Codec:
     if not isinstance(name, str):
         raise TypeError(f"codec name must be a str, got {type(name).__name__}")
     key = name.strip().lower()
+    base, every = split_deferred(key)
+    if every is not None and base != "mixed" and is_codec_name(base):
+        return DeferredCodec(make_codec(base, **kwargs), every=every)
     base, residual_bits = split_name(key)
     if residual_bits is not None and base != "mixed" and is_codec_name(base):
         return ErrorFeedbackCodec(make_codec(base, **kwargs), residual_bits=residual_bits)
@@ -152,4 +164,5 @@ def make_codec(name: str, **kwargs) -> Codec:
         if not stochastic and family == "dual":
             return DualAxisCodec(bits=bits, **_split_config(kwargs))
     raise ValueError(f"unknown codec name {name!r}; valid names: {', '.join(codec_names())} (each but mixed "
-                     "also as <name>-ef<r>: error feedback with an r-bit residual)")
+                     "also as <name>-ef<r>: error feedback with an r-bit residual, and <name>-defer<R>: "
+                     "fitted every R-th token)")

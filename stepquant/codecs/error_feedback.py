@@ -95,8 +95,9 @@ class ErrorFeedbackCodec(Codec):
     def __post_init__(self) -> None:
         if not isinstance(self.inner, Codec):
             raise TypeError(f"inner must be a stepquant Codec, got {type(self.inner).__name__}")
-        if isinstance(self.inner, ErrorFeedbackCodec):
-            raise ValueError("error feedback is applied once: the inner codec already carries a residual")
+        if getattr(self.inner, "carries_residual", False):
+            raise ValueError("error feedback is applied once, to a stateless format: the inner codec already "
+                             "carries state across tokens (a residual, or deferred fits)")
         object.__setattr__(self, "residual", residual_codec(self.residual_bits))
         object.__setattr__(self, "name", f"{self.inner.name}-ef{self.residual_bits}")
 

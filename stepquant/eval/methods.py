@@ -8,7 +8,8 @@ committed under ``<plans-dir>/<model>/<variant>-<bits>/`` (stepquant.calibrate's
 "<method>@<layer>" (e.g. "int4@4", "stepquant-4@0") applies the method to that one model layer and keeps
 FP32 everywhere else: per-layer error attribution. A "-ef<r>" suffix on a codec or a plan name
 ("int6-ef4", "stepquant-6-ef4") adds error feedback with an r-bit residual (stepquant.codecs.error_feedback;
-the residual's bytes are in the method's bits/value).
+the residual's bytes are in the method's bits/value); a "-defer<R>" suffix ("stepquant-6-defer4") fits every
+R-th decode token only (stepquant.codecs.deferred; the pending updates' bytes are in its bits/value).
 
 :data:`DEFAULT_METHODS` is the paper's comparison (docs/method.md section 3): the float casts, uniform rowwise
 absmax INT8/6/4 with and without stochastic rounding, DSQ, and the four STEPQuant variants at 6 and 4 bits.
@@ -29,12 +30,21 @@ from pathlib import Path
 from stepquant import assets
 from stepquant.accounting import StateBytes
 from stepquant.calibrate import Plan
-from stepquant.codecs import Codec, ErrorFeedbackCodec, codec_names, is_codec_name, make_codec, split_name
+from stepquant.codecs import (
+    Codec,
+    DeferredCodec,
+    ErrorFeedbackCodec,
+    codec_names,
+    is_codec_name,
+    make_codec,
+    split_deferred,
+    split_name,
+)
 from stepquant.families import ModelShape
 
 REFERENCE = "fp32"
 PLAN_VARIANTS = ("stepquant", "temporal", "temporal-nopivot", "spatial")
-PLAN_NAME = re.compile(r"^(stepquant|temporal-nopivot|temporal|spatial)-([2-8])(-ef[0-9]+)?$")
+PLAN_NAME = re.compile(r"^(stepquant|temporal-nopivot|temporal|spatial)-([2-8])(-ef[0-9]+|-defer[0-9]+)?$")
 DEFAULT_PLANS_DIR = assets.PLANS  # the shipped plans, stepquant/assets/plans/<model>/<variant>-<bits>/
 
 DEFAULT_METHODS = (
@@ -100,8 +110,8 @@ def is_plan_method(name: str) -> bool:
 
 
 def plan_key(name: str) -> str:
-    """The plan directory a plan method reads: "stepquant-6-ef4@2" -> "stepquant-6"."""
-    return split_name(name.strip().lower().partition("@")[0])[0]
+    """The plan directory a plan method reads: "stepquant-6-ef4@2" -> "stepquant-6" (and "-defer4")."""
+    return split_name(split_deferred(name.strip().lower().partition("@")[0])[0])[0]
 
 
 def load_plan(path: str | Path, model_config=None):
@@ -139,7 +149,10 @@ def resolve_method(name: str, model_name: str, linear_layers: list[int], *,
     if match:
         plan = load_plan(plan_path(plan_key(key), model_name, plans_dir), model_config)
         method = plan_method(plan, key, linear_layers)
-        residual_bits = split_name(key)[1]
+        residual_bits, every = split_name(key)[1], split_deferred(key)[1]
+        if every is not None:
+            codecs = {layer: DeferredCodec(codec, every) for layer, codec in method.codecs.items()}
+            return Method(key, f"{method.label} fit/{every}", codecs, plan)
         if residual_bits is None:
             return method
         codecs = {layer: ErrorFeedbackCodec(codec, residual_bits) for layer, codec in method.codecs.items()}
@@ -148,7 +161,8 @@ def resolve_method(name: str, model_name: str, linear_layers: list[int], *,
         variants = ", ".join(f"{v}-<bits>" for v in PLAN_VARIANTS)
         raise ValueError(f"unknown method {name!r}: use a codec name ({', '.join(codec_names()[:-1])}) or a "
                          f"calibrated plan ({variants}; found under --plans-dir/<model>/), either with "
-                         "-ef<r> for error feedback (r = 2..8, 16, 32)")
+                         "-ef<r> for error feedback (r = 2..8, 16, 32) or -defer<R> for a fit every R-th "
+                         "token (R = 2..16)")
     codec: Codec = make_codec(key)
     return Method(key, codec_label(key), dict.fromkeys(linear_layers, codec))
 

@@ -54,7 +54,7 @@ except ImportError as err:  # transformers missing, or a version without linear-
         f"{err}"
     ) from err
 
-from stepquant.codecs import Codec, ErrorFeedbackState, QState, make_codec
+from stepquant.codecs import Codec, DeferredState, ErrorFeedbackState, QState, make_codec
 from stepquant.codecs.packing import PackedLayout, PackedState, pack, unpack
 from stepquant.families import SUPPORTED_MODEL_TYPES, linear_layers  # qwen3_next, qwen3_5(_moe), kimi_linear
 from stepquant.recurrence import prepare_qk, step
@@ -152,6 +152,9 @@ def _per_row_tensors(encoded) -> list[torch.Tensor]:
     """The tensors of an encoded object that hold per-request data (leading dim N)."""
     if isinstance(encoded, ErrorFeedbackState):  # the state and its carried residual
         return _per_row_tensors(encoded.state) + _per_row_tensors(encoded.residual)
+    if isinstance(encoded, DeferredState):  # the last fit's codes, and the float state since (its emulation)
+        pending = [] if encoded.pending is None else [encoded.pending]
+        return _per_row_tensors(encoded.state) + pending
     if isinstance(encoded, torch.Tensor):
         return [encoded]
     if isinstance(encoded, QState):
@@ -168,6 +171,9 @@ def _map_rows(encoded, fn):
         return fn(encoded)
     if isinstance(encoded, ErrorFeedbackState):
         return ErrorFeedbackState(_map_rows(encoded.state, fn), _map_rows(encoded.residual, fn))
+    if isinstance(encoded, DeferredState):
+        pending = None if encoded.pending is None else fn(encoded.pending)
+        return DeferredState(_map_rows(encoded.state, fn), pending, encoded.age)
     opt = lambda t: None if t is None else fn(t)
     if isinstance(encoded, QState):
         return dataclasses.replace(
@@ -231,6 +237,8 @@ class CompressedLinearAttentionLayer(LinearAttentionLayer):
         if isinstance(encoded, ErrorFeedbackState):
             return ErrorFeedbackState(self._pack(group, encoded.state),
                                       self._pack((group, "residual"), encoded.residual))
+        if isinstance(encoded, DeferredState):
+            return DeferredState(self._pack(group, encoded.state), encoded.pending, encoded.age)
         if isinstance(encoded, QState):
             return pack(encoded, self._layout(group, encoded))
         return encoded
@@ -240,6 +248,9 @@ class CompressedLinearAttentionLayer(LinearAttentionLayer):
         if isinstance(encoded, ErrorFeedbackState):
             return ErrorFeedbackState(CompressedLinearAttentionLayer._unpack(encoded.state),
                                       CompressedLinearAttentionLayer._unpack(encoded.residual))
+        if isinstance(encoded, DeferredState):
+            return DeferredState(CompressedLinearAttentionLayer._unpack(encoded.state), encoded.pending,
+                                 encoded.age)
         return unpack(encoded) if isinstance(encoded, PackedState) else encoded
 
     def _encode(self, group: int, states: torch.Tensor, previous=None):

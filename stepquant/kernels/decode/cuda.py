@@ -77,7 +77,8 @@ class _Params(ctypes.Structure):
         "heads", "row_info", "row_winv", "row_w2", "row_gain", "dbg_x", "dbg_c", "dbg_r")] + [
         ("scale", ctypes.c_float), ("slot_words", ctypes.c_longlong), ("group_magic", ctypes.c_ulonglong),
         ("H", ctypes.c_int), ("HQ", ctypes.c_int), ("K", ctypes.c_int), ("num_scaled", ctypes.c_int),
-        ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int)]
+        ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int), ("pend_n", ctypes.c_int),
+        ("pend_k", ctypes.c_void_p), ("pend_u", ctypes.c_void_p)]
 
 
 def nvcc_path() -> str | None:
@@ -150,9 +151,10 @@ def _load(defines: tuple[tuple[str, int], ...], target: str) -> ctypes.CDLL:
     return lib
 
 
-def defines_for(tables: FormatTables, part: str, kda: bool,
-                debug: bool = False) -> tuple[tuple[str, int], ...]:
-    """The SQ_* macros of a layer's quantizer (what one compiled library serves)."""
+def defines_for(tables: FormatTables, part: str, kda: bool, debug: bool = False,
+                pending: bool = False) -> tuple[tuple[str, int], ...]:
+    """The SQ_* macros of a layer's quantizer (what one compiled library serves); pending: the writeback
+    folds a deferred state's pending updates (SQ_PENDING)."""
     config = tables.format.config
     dual = tables.has_col_scale
     clipped = sum(1 << b for b in range(2, 9) if config.clip_for(b) < 1.0)
@@ -161,7 +163,7 @@ def defines_for(tables: FormatTables, part: str, kda: bool,
             ("SQ_RECIP", int(dual and config.division == "reciprocal")),
             ("SQ_ROW_STAT", ROW_STATS.index(config.row_stat)), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
             ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_ROW_FILL", int(tables.row_fill)),
-            ("SQ_DEBUG", int(debug)),
+            ("SQ_DEBUG", int(debug)), *((("SQ_PENDING", 1),) if pending else ()),
             *sorted({**TUNING, "SQ_ITEMS": items_for(part)}.items()))
 
 
@@ -194,7 +196,7 @@ def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *, part: str,
            scale: float, use_qk_l2norm: bool, work: torch.Tensor | None = None,
-           debug: dict | None = None) -> None:
+           debug: dict | None = None, pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """One launch for every head of the layer (grid N x H); inputs already checked and contiguous FP32."""
     kda = g is not None and g.dim() == 3
     device = tables.device
@@ -206,7 +208,8 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
                                  "boundary; the CUDA kernel copies it in 16-byte chunks (allocate the pages "
                                  "with Pages.empty, not as a view at an offset)")
         q, k, v, g, beta, work = (_aligned(t) for t in (q, k, v, g, beta, work))
-    lib = _load(defines_for(tables, part, kda, debug is not None), _target(device))
+    lib = _load(defines_for(tables, part, kda, debug is not None, pending is not None), _target(device))
+    pend_k, pend_u = (None, None) if pending is None else pending
     num_rows = slots.shape[0]
     heads, key_dim = tables.num_heads, tables.key_dim
     key_heads = heads if q is None else q.shape[1]
@@ -226,7 +229,8 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
         H=heads, HQ=key_heads, K=key_dim, group_magic=-(-(1 << 32) // (heads // key_heads)),
         num_scaled=tables.num_scaled_heads, l2norm=int(use_qk_l2norm),
         bf16_mask=sum(1 << i for i, t in enumerate((q, k, v, g, beta, y))
-                      if t is not None and t.dtype == torch.bfloat16))
+                      if t is not None and t.dtype == torch.bfloat16),
+        pend_n=0 if pend_k is None else pend_k.shape[2], pend_k=_ptr(pend_k), pend_u=_ptr(pend_u))
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     status = lib.sq_packed_step(ctypes.byref(p), num_rows, device.index or 0, ctypes.c_void_p(stream))
     if status != 0:
@@ -266,6 +270,7 @@ def decode(
     out: torch.Tensor | None = None,
     part: str = "fused",
     work: torch.Tensor | None = None,
+    pending: tuple[torch.Tensor, torch.Tensor] | None = None,
     debug: dict | None = None,
 ) -> torch.Tensor:
     """One decode token on packed states, in place; the signature of fused.fused_decode.
@@ -273,6 +278,8 @@ def decode(
     part: "fused", or the split "readout" (y, and u into ``work`` [N, H, V] FP32 when given; slots
     untouched) then "writeback" (requantizes the slots from the u in ``work``; y untouched). On CPU
     tables this runs the emulation build (tests only: slow).
+    pending (writeback only): a deferred state's updates since its last fit, (k_j [N, H, R - 1, K], u_j [N,
+    H, R - 1, V]) FP16, decayed to this token; X adds sum_j k_j u_j^T (stepquant.kernels.decode.deferred).
     """
     check_token_inputs(tables, pages, slots, q, k, v, g, beta)
     _check_supported(tables)
@@ -285,18 +292,34 @@ def decode(
                              or not work.is_contiguous()):
         raise ValueError(f"work must be a contiguous FP32 tensor of v's shape {list(v.shape)}")
     device = tables.device
+    if pending is not None:
+        pending = _check_pending(pending, part, v.shape[0], tables, device)
     q, k, v, g, beta = (_as_input(t, device) for t in (q, k, v, g, beta))
     slots = slots.to(device, torch.int32).contiguous()
     direct = out is not None and (part == "writeback" or _as_input(out, device) is out)
     result = out if direct else torch.empty(v.shape, dtype=torch.float32, device=device)
     scale = tables.key_dim**-0.5 if scale is None else float(scale)
     launch(tables, pages, slots, q, k, v, g, beta, result, None, part=part, scale=scale,
-           use_qk_l2norm=use_qk_l2norm, work=work, debug=debug)
+           use_qk_l2norm=use_qk_l2norm, work=work, debug=debug, pending=pending)
     if out is not None and result is not out:
         active = slots >= 0
         out[active] = result[active].to(out.dtype)
         return out
     return result
+
+
+def _check_pending(pending, part: str, num_rows: int, tables: FormatTables, device) -> tuple:
+    if part != "writeback":
+        raise ValueError("pending updates are folded by part='writeback' (a deferred state's fit), not "
+                         f"{part!r}")
+    pend_k, pend_u = pending
+    heads = tables.num_heads
+    if (pend_k.dim() != 4 or pend_k.shape[:2] != (num_rows, heads) or pend_k.shape[3] != tables.key_dim
+            or pend_u.shape != (*pend_k.shape[:3], VALUE_DIM) or pend_k.shape[2] < 1):
+        raise ValueError(f"pending must be (k [N, H, R - 1, K], u [N, H, R - 1, V]) with N = {num_rows}, H = "
+                         f"{heads}, K = {tables.key_dim}, V = {VALUE_DIM}, R - 1 >= 1; got "
+                         f"{list(pend_k.shape)} and {list(pend_u.shape)}")
+    return tuple(t.to(device, torch.float16).contiguous() for t in (pend_k, pend_u))
 
 
 def pack(tables: FormatTables, pages: Pages, slots: torch.Tensor, states: torch.Tensor, *,

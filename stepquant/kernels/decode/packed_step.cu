@@ -64,10 +64,14 @@
 #ifndef SQ_ROW_FILL
 #define SQ_ROW_FILL 0  // 1: DualAxisConfig.row_fill (each row rescaled to reach its grid's top; needs SQ_RECIP)
 #endif
+#ifndef SQ_PENDING
+#define SQ_PENDING 0  // 1 (writeback): X also adds the pending rank-1 updates of a deferred state (pend_k, pend_u)
+#endif
 #ifndef SQ_ITEMS
 #define SQ_ITEMS 1  // tuning: batch rows per CTA (one head); > 1 stages the next row's inputs while one computes
 #endif
 static_assert(!SQ_ROW_FILL || (SQ_DUAL && SQ_RECIP), "row fill is defined for the reciprocal dual-axis fit");
+static_assert(!SQ_PENDING || SQ_PART == 2, "pending updates are folded by the writeback part");
 
 // The launch arguments (cuda.py builds the same struct with ctypes). Outside the anonymous namespace:
 // a function taking a type of internal linkage gets internal linkage too, and ctypes could not find
@@ -99,6 +103,9 @@ struct Params {
     unsigned long long group_magic;  // ceil(2^32 / (H / HQ)): q/k head of head h = (h * group_magic) >> 32
     int H, HQ, K, num_scaled, l2norm;
     int bf16_mask;          // which of q, k, v, g, beta, y are BF16 (the rest FP32)
+    int pend_n;             // SQ_PENDING: pending updates per (row, head) (codecs/deferred.py: R - 1)
+    const __half* pend_k;   // [N, H, pend_n, K] FP16 k_j, decayed to this token
+    const __half* pend_u;   // [N, H, pend_n, V] FP16 u_j
 };
 
 namespace {
@@ -503,6 +510,17 @@ __device__ __forceinline__ void fold_row_maxima(float (&part)[ROWS], int lane) {
     }
 }
 
+// X = D S + k u^T of one row of the tile, in place (levels in: a = r_old e^g, pivot rows' a = e^g)
+__device__ __forceinline__ void form_x(const Shared& sm, float (&x)[COLS], bool pivot, const float (&c_old)[COLS],
+                                       const float (&u)[COLS], int i) {
+    const float4 rc = sm.row[i];
+#pragma unroll
+    for (int c = 0; c < COLS; ++c) {
+        const float ac = pivot ? rc.z : __fmul_rn(rc.z, c_old[c]);
+        x[c] = __fmaf_rn(x[c], ac, __fmul_rn(rc.w, u[c]));
+    }
+}
+
 // Steps 3-5 on the tile x (levels or float state in, nothing out): X, row scales, column scales, codes.
 template <int KIND>
 __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&x)[ROWS][COLS],
@@ -521,20 +539,37 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
         const float4 u4 = *reinterpret_cast<const float4*>(&sm.col[1][4 * lane]);
         const float u[COLS] = {fk * u4.x, fk * u4.y, fk * u4.z, fk * u4.w};  // k is stored before its norm
         float* mine = scratch + (warp * 32 + lane) * ROW_PAD;  // this lane's partial statistic per row
+        if constexpr (SQ_PENDING) {  // a deferred state's fit: X, then X += sum_j k_j u_j^T in order j
+#pragma unroll
+            for (int r = 0; r < ROWS; ++r) form_x(sm, x[r], row_pivot[r], c_old, u, row0 + r);
+            if (row0 < K) {
+                for (int j = 0; j < p.pend_n; ++j) {
+                    const long long at = nh * p.pend_n + j;
+                    // FP16 pairs read as __half2 from memory (no type punning of registers: the emulation
+                    // build's C++ would not see through it)
+                    const __half2* u2 = reinterpret_cast<const __half2*>(p.pend_u + at * V + 4 * lane);
+                    const float2 lo = __half22float2(u2[0]), hi = __half22float2(u2[1]);
+                    const float uj[COLS] = {lo.x, lo.y, hi.x, hi.y};
+                    const __half2* k2 = reinterpret_cast<const __half2*>(p.pend_k + at * K + row0);  // ROWS halves
+#pragma unroll
+                    for (int m = 0; m < ROWS / 2; ++m) {
+                        const float2 kk = __half22float2(k2[m]);
+#pragma unroll
+                        for (int c = 0; c < COLS; ++c) {
+                            x[2 * m][c] = __fmaf_rn(kk.x, uj[c], x[2 * m][c]);
+                            x[2 * m + 1][c] = __fmaf_rn(kk.y, uj[c], x[2 * m + 1][c]);
+                        }
+                    }
+                }
+            }
+        }
 #pragma unroll
         for (int r0 = 0; r0 < ROWS; r0 += 4) {
             float stat[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
             for (int r = r0; r < r0 + 4; ++r) {
                 const int i = row0 + r;
-                if constexpr (FROM_CODES) {
-                    const float4 rc = sm.row[i];
-#pragma unroll
-                    for (int c = 0; c < COLS; ++c) {
-                        const float ac = row_pivot[r] ? rc.z : __fmul_rn(rc.z, c_old[c]);
-                        x[r][c] = __fmaf_rn(x[r][c], ac, __fmul_rn(rc.w, u[c]));
-                    }
-                }
+                if constexpr (FROM_CODES && !SQ_PENDING) form_x(sm, x[r], row_pivot[r], c_old, u, i);
                 if (SQ_DEBUG && row0 < K)
                     *reinterpret_cast<float4*>(p.dbg_x + ((nh * K + i) * V + 4 * lane)) =
                         make_float4(x[r][0], x[r][1], x[r][2], x[r][3]);

@@ -1,0 +1,253 @@
+"""Deferred fitting on packed states vs the per-token step and fla's FP32 step (GDN and KDA shapes), on a GPU.
+
+The deferred format (stepquant/codecs/deferred.py, served by stepquant/kernels/decode/deferred.py) reads the
+packed codes every token and fits and writes them every R-th token; between fits it keeps the decay and the
+rank-1 updates since the last fit (FP16) beside the slot. What is timed, per model shape, batch B and
+budget (the shipped STEPQuant quantizers: 6 bits row fill without a refit, 4 bits row fill, mid-tread, one
+refit; synthetic plans shaped like the shipped ones, as bench_decode.py's):
+
+- "per-token fused": the shipped step (R = 1), for reference; "readout alone": the split readout;
+- "deferred R": a cycle of R tokens (R - 1 readouts with the pending updates, then one fit) divided by R:
+  the mean per-token cost; "readout token" / "fit token": the two kinds of token alone (R - 2 and R - 1
+  pending updates);
+- fla's own FP32 step in the same run; at batches up to --graph-below, fla, the fused step and a deferred
+  cycle also replayed from a CUDA graph ("[graph]": the GPU time without Python's launch overhead).
+
+Every time is triton.testing.do_bench's median (L2 flushed before every call; slots rotate over a pool
+several times the L2 size). Before timing, the deferred step is checked at the real shape against the
+float recurrence that fits every R-th token with the layer's codec (y by relative RMS; the check of
+tests/test_cuda_kernel.py::test_deferred_decode_follows_the_deferred_format at K = V = 128).
+
+    python benchmarks/bench_deferred.py --out DIR          # on a GPU, a few minutes
+    python benchmarks/bench_deferred.py --dry-run          # CPU: the CUDA kernel's emulation build, tiny
+
+Prints a table last, then one JSON line; with --out writes bench_deferred.json and bench_deferred.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench_decode as bd  # noqa: E402
+
+from stepquant.codecs import LayerFormat  # noqa: E402
+from stepquant.codecs.packing import unpack  # noqa: E402
+from stepquant.kernels.decode import cuda  # noqa: E402
+from stepquant.kernels.decode.deferred import DeferredBuffers, decode_deferred  # noqa: E402
+from stepquant.recurrence import prepare_qk, step  # noqa: E402
+
+QUANTIZERS = {6: ("row fill, no refit", bd.FILL_0), 4: ("row fill, mid-tread, 1 refit", bd.FILL_MIDTREAD_1)}
+
+
+def buffer_bits_per_value(every: int, key_dim: int, value_dim: int) -> float:
+    """What a deferred state holds beside its codes (codecs/deferred.py's count), per state value."""
+    return ((every - 1) * (key_dim + value_dim) * 16 + key_dim * 32) / (key_dim * value_dim)
+
+
+def check(name: str, spec: dict, bits: int, every: int = 4, batch: int = 8, tokens: int = 9) -> dict:
+    """decode_deferred against the float recurrence fitting every R-th token, at the real shape."""
+    heads, key_heads, kda = spec["heads"], spec["key_heads"], spec["kda"]
+    config = QUANTIZERS[bits][1]
+    layer = bd.make_layer(bd.synthetic_plan(name, bits, heads), "dual_axis", batch, config)
+    slots = torch.arange(batch, dtype=torch.int32, device=bd.DEVICE)
+    state = last_fit = unpack(layer.gather(slots.long())).dequantize()
+    codec = layer.format.codec()
+    buffers = DeferredBuffers.empty(layer.tables, batch, every, kda)
+    errors, fit_excess, untouched = [], [], True
+    for t in range(tokens):
+        q, k, v, g, beta = (x.float() for x in bd.token_inputs(batch, heads, key_heads, kda, seed=t))
+        y = decode_deferred(layer.tables, layer.pages, slots, q, k, v, g, beta, buffers, use_qk_l2norm=True)
+        b_q, b_k = prepare_qk(q, k, use_qk_l2norm=True, mode="kda" if kda else "gdn")
+        x, y_ref = step(state, b_q, b_k, v, g, beta)
+        errors.append(bd_rel_rms(y, y_ref))
+        stored = unpack(layer.gather(slots.long())).dequantize()
+        if t % every == every - 1:
+            fit_excess.append(bd_rel_rms(stored, x) / max(bd_rel_rms(codec.roundtrip(x), x), 1e-30))
+            state = last_fit = stored
+        else:
+            untouched &= torch.equal(stored, last_fit)
+            state = x
+    ok = max(errors) < 1e-3 and max(fit_excess) <= 1.05 and untouched
+    return dict(model=name, bits=bits, every=every, batch=batch, tokens=tokens, max_y_rel_rms=max(errors),
+                fit_error_vs_codec=max(fit_excess), slots_untouched_between_fits=untouched, passed=ok)
+
+
+def bd_rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
+    heads, key_heads, kda = spec["heads"], spec["key_heads"], spec["kda"]
+    for batch in args.batches:
+        graphs = batch <= args.graph_below and bd.DEVICE == "cuda"
+        inputs = bd.token_inputs(batch, heads, key_heads, kda)
+        moved_fp32 = 2 * batch * heads * bd.KEY_DIM * bd.VALUE_DIM * 4 + bd.input_bytes(*inputs)
+        if fla is not None and fla.error is None:
+            prepared = fla.prepare(*inputs)
+            states = [torch.randn(batch, heads, bd.KEY_DIM, bd.VALUE_DIM, device=bd.DEVICE) * 0.1
+                      for _ in range(2)]
+            step_fla = bd.rotating(lambda h, t=prepared: fla.own_step(kda, h, t), states)
+            ms = bd.bench(step_fla, args.warmup, args.rep)
+            rec.add(name, f"fla {name} fp32", "fp32", batch, ms, moved_fp32)
+            if graphs:
+                own = lambda h, t=prepared: fla.own_step(kda, h, t)
+                ms = bd.bench_graph(own, states, args.warmup, args.rep)
+                rec.add(name, f"fla {name} fp32 [graph]", "fp32", batch, ms, moved_fp32)
+            del states
+        for bits in args.bits:
+            label, config = QUANTIZERS[bits]
+            plan = bd.synthetic_plan(name, bits, heads)
+            slot_bytes = LayerFormat(plan, None, "dual_axis").bytes(bd.VALUE_DIM)
+            groups = bd.rotation_groups(batch * slot_bytes)
+            layer = bd.make_layer(plan, "dual_axis", groups * batch, config)
+            tensors = layer.tables, layer.pages
+            slot_groups = bd.slot_groups(groups, batch)
+            values = heads * bd.KEY_DIM * bd.VALUE_DIM
+            extra = dict(quantizer=label, bits_per_value=slot_bytes * 8 / values)
+            moved = bd.input_bytes(*inputs) + 2 * batch * slot_bytes
+            work = torch.zeros(batch, heads, bd.VALUE_DIM, device=bd.DEVICE)
+            parts = (("per-token fused", "fused", None, moved),
+                     ("readout alone (split)", "readout", work, moved - batch * slot_bytes))
+            try:
+                for variant, part, buffer, part_moved in parts:
+                    call = lambda s, t=tensors, x=inputs, p=part, w=buffer: cuda.decode(
+                        *t, s, *x, use_qk_l2norm=True, part=p, work=w)
+                    ms = bd.bench(bd.rotating(call, slot_groups), args.warmup, args.rep)
+                    rec.add(name, f"{variant} ({label})", bits, batch, ms, part_moved, every=1, **extra)
+                    if graphs and part == "fused":
+                        ms = bd.bench_graph(call, slot_groups, args.warmup, args.rep)
+                        rec.add(name, f"{variant} ({label}) [graph]", bits, batch, ms, part_moved, every=1,
+                                **extra)
+            except Exception:
+                bd.log(traceback.format_exc())
+            for every in args.every:
+                buffers = [DeferredBuffers.empty(layer.tables, batch, every, kda) for _ in slot_groups]
+                pairs = list(zip(slot_groups, buffers, strict=True))
+
+                def cycle(pair, every=every, t=tensors, x=inputs):
+                    for _ in range(every):
+                        decode_deferred(*t, pair[0], *x, pair[1], use_qk_l2norm=True)
+
+                def token(pair, age, t=tensors, x=inputs):
+                    pair[1].age = age  # R - 2: the last readout-only token of a cycle; R - 1: a fit
+                    decode_deferred(*t, pair[0], *x, pair[1], use_qk_l2norm=True)
+                    pair[1].clear()
+
+                deferred_extra = dict(extra, every=every, bits_per_value=extra["bits_per_value"]
+                                      + buffer_bits_per_value(every, bd.KEY_DIM, bd.VALUE_DIM))
+                try:
+                    ms = bd.bench(bd.rotating(cycle, pairs), args.warmup, args.rep) / every
+                    rec.add(name, f"deferred R={every} ({label}), per token", bits, batch, ms, moved,
+                            **deferred_extra)
+                    if graphs:  # a captured cycle of R tokens (each ends with a fit: the ages repeat)
+                        ms = bd.bench_graph(cycle, pairs, args.warmup, args.rep) / every
+                        rec.add(name, f"deferred R={every} ({label}), per token [graph]", bits, batch, ms,
+                                moved, **deferred_extra)
+                    for kind, age in (("readout token", every - 2), ("fit token", every - 1)):
+                        ms = bd.bench(bd.rotating(lambda p, a=age: token(p, a), pairs), args.warmup, args.rep)
+                        rec.add(name, f"deferred R={every} ({label}), {kind}", bits, batch, ms, moved,
+                                **deferred_extra)
+                except Exception:
+                    bd.log(traceback.format_exc())
+                del buffers, pairs
+            del layer
+            if bd.DEVICE == "cuda":
+                torch.cuda.empty_cache()
+
+
+def markdown(result: dict) -> str:
+    env = result["env"]
+    lines = [f"# Deferred fitting vs the per-token step ({env['gpu']})", "",
+             f"{env['date']}; torch {env['torch']}, triton {env['triton']}, fla {env['fla']}; copy "
+             f"{result['copy_tbps']:.2f} TB/s; `python benchmarks/bench_deferred.py`; ms: do_bench's median.",
+             "",
+             "| model | B | bits | variant | bits/value | ms | x vs fla FP32 |",
+             "|---|---|---|---|---|---|---|"]
+    fla = {(r["model"], r["batch"], r["variant"].endswith("[graph]")): r["ms"] for r in result["rows"]
+           if r["variant"].startswith("fla")}
+    for row in result["rows"]:
+        if row["variant"].startswith("fla"):
+            continue
+        base = fla.get((row["model"], row["batch"], row["variant"].endswith("[graph]")))
+        speed = f"{base / row['ms']:.2f}" if base else "-"
+        lines.append(f"| {row['model']} | {row['batch']} | {row['bits']} | {row['variant']} | "
+                     f"{row.get('bits_per_value', 0):.2f} | {row['ms']:.4f} | {speed} |")
+    lines += ["", "fla FP32: " + ", ".join(f"{m} B={b}{' [graph]' if g else ''} {ms:.4f} ms"
+                                           for (m, b, g), ms in fla.items()), "",
+              "Checks: " + json.dumps(result["checks"])]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--models", default="gdn,kda")
+    parser.add_argument("--batches", default="32,512")
+    parser.add_argument("--bits", default="6,4")
+    parser.add_argument("--every", default="2,4,8", help="tokens per fit R")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--rep", type=int, default=40)
+    parser.add_argument("--no-fla", action="store_true")
+    parser.add_argument("--graph-below", type=int, default=64,
+                        help="also replay fla, the fused step and deferred cycles from CUDA graphs up to "
+                             "this batch")
+    parser.add_argument("--dry-run", action="store_true", help="CPU, the CUDA kernel's emulation build, tiny")
+    args = parser.parse_args(argv)
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    args.batches, args.bits, args.every = ints(args.batches), ints(args.bits), ints(args.every)
+    models = {m: dict(bd.MODELS[m]) for m in args.models.split(",") if m}
+    if args.dry_run:  # the emulation serves V = 128 and K a multiple of 16
+        bd.DEVICE, bd.KEY_DIM = "cpu", 16
+        args.batches, args.bits, args.every, args.no_fla = [2], [6], [2, 3], True
+        for spec in models.values():
+            spec.update(heads=2, key_heads=1 if not spec["kda"] else 2)
+    elif not torch.cuda.is_available():
+        print("bench_deferred needs a CUDA GPU (or --dry-run)", file=sys.stderr)
+        return 2
+    import triton
+
+    started = time.time()
+    fla = None if args.no_fla else bd.Fla()
+    copy_bps = bd.copy_bandwidth(args.warmup, args.rep, 2**30 if bd.DEVICE == "cuda" else 2**20)
+    rec, checks = bd.Recorder(copy_bps), []
+    gpu = torch.cuda.get_device_name() if bd.DEVICE == "cuda" else "cpu (dry run)"
+    for name, spec in models.items():
+        for bits in args.bits:
+            try:
+                checks.append(check(name, spec, bits, every=3 if args.dry_run else 4,
+                                    batch=2 if args.dry_run else 8, tokens=4 if args.dry_run else 9))
+            except Exception:
+                bd.log(traceback.format_exc())
+                checks.append(dict(model=name, bits=bits, error=traceback.format_exc(limit=2)))
+            bd.log(f"check {checks[-1]}")
+        run(name, spec, args, fla, rec)
+    result = dict(env=dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
+                           fla="skipped" if fla is None else (fla.version or f"unavailable ({fla.error})"),
+                           python=platform.python_version(),
+                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
+                  copy_tbps=copy_bps / 1e12, rows=rec.rows, checks=checks, seconds=time.time() - started,
+                  args={k: v for k, v in vars(args).items() if k != "out"})
+    text = markdown(result)
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "bench_deferred.json").write_text(json.dumps(result, indent=1, default=str))
+        (args.out / "bench_deferred.md").write_text(text)
+    print(text)
+    print(json.dumps(dict(bench="deferred", gpu=gpu, checks_passed=all(c.get("passed") for c in checks),
+                          seconds=round(result["seconds"], 1))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

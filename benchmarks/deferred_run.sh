@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The deferred-fit format on a GPU in one device call (docs/kernels.md, "Deferred fitting"): installs the
+# wheels carried under .whl/ (fla-core: the FP32 baseline), writes versions (env.txt), builds the CUDA
+# libraries it uses (build_cuda.log), runs the pending-update GPU tests (gpu_tests.log) and
+# benchmarks/bench_deferred.py (bench.log, bench_deferred.json, bench_deferred.md), each time-boxed; about
+# 5 minutes.
+#
+#   OUT=/some/dir bash benchmarks/deferred_run.sh      (BENCH_ARGS passes options to bench_deferred.py)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-benchmarks/results}"
+mkdir -p "$OUT"
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    echo "no CUDA GPU here (use python benchmarks/bench_deferred.py --dry-run on a CPU)"
+    exit 2
+fi
+source benchmarks/carried_wheels.sh && carried_wheels
+export TRITON_INTERPRET=0
+export STEPQUANT_KERNEL_CACHE="${STEPQUANT_KERNEL_CACHE:-$PWD/.kcache}"
+{
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import platform, torch, triton, fla; print('python', platform.python_version(), '| torch', \
+torch.__version__, '| triton', triton.__version__, '| fla', fla.__version__)"
+    date -u
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+timeout "${BUILD_TIMEOUT:-240}" python3 benchmarks/build_cuda.py --jobs "$(nproc)" --deferred-only \
+    > "$OUT/build_cuda.log" 2>&1
+echo "build exit $?"; tail -n 1 "$OUT/build_cuda.log"
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_cuda_kernel.py -k pending -q -rA \
+    -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
+echo "gpu tests exit $?"; tail -n 3 "$OUT/gpu_tests.log"
+PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_deferred.py --out "$OUT" \
+    ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
+echo "bench exit $?"
+grep -v "^  " "$OUT/bench.log" | tail -n 60

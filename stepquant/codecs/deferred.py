@@ -1,0 +1,112 @@
+"""Deferred fitting: a state format that requantizes every R-th decode token instead of every token.
+
+Motivation (beyond the paper): the packed decode step is bound by the per-token fit and writeback (docs/
+kernels.md, "What separates the step from the bandwidth floor"); the readout from the packed codes alone
+runs 3.5-5.6x faster than fla's FP32 step. Serving formats for KV caches keep the most recent tokens in
+full precision and quantize them in groups (KIVI's residual window); this is the same idea for a delta-rule
+state. Between fits the state is the last fit's codes plus the updates since, kept exactly:
+
+    fit (boundary pack, and every R-th decode token):  S_hat_t = Q(X_t)
+    the R - 1 tokens after a fit:                       S_hat_t = X_t = A_t S_hat_{t-1} + B_t
+
+where X_t is the float state the layer computed from the decoded previous state. A serving kernel stores
+the same state as the codes of the last fit, the decay accumulated since (a log-gate per key row, FP32)
+and the rank-1 updates since (k_r and u_r = beta_r (v_r - ...), FP16), and reads
+S_t = G_t . dequant(codes) + sum_r k_r u_r^T (decayed to t). Only every R-th token fits and writes the
+codes; the others read them. So a request's state takes R - 1 times fewer requantizations, and its
+per-token cost is the readout plus 1/R of the fit.
+
+What this module models: the quantization events. The R - 1 pending updates are held here as the float
+state itself (FP32), not as FP16 k_r, u_r: the serving format's FP16 rounding of u (2^-11 relative) is
+below anything the eval resolves and is not modelled.
+
+Bytes (``storage_bits``): Q's plus what the serving format holds beside the codes: R - 1 pending (k, u)
+pairs in FP16 ((R - 1)(K + V) 16 bits per head) and the accumulated log-gate, K FP32 values per head (a
+GDN head needs one; the KDA count is used for both). At K = V = 128 that is (R - 1) / 4 + 1/4 bits/value.
+
+Names (stepquant.codecs.make_codec): ``<name>-defer<R>`` for any registry name except "mixed", R = 2..16
+(e.g. "int6-defer4"); calibrated plans take the same suffix in stepquant eval ("stepquant-6-defer4").
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import torch
+
+from .base import Codec, as_fp32
+
+MAX_DEFER = 16
+SUFFIX = re.compile(r"^(?P<base>.+)-defer(?P<every>[0-9]+)$")
+
+
+def split_deferred(name: str) -> tuple[str, int | None]:
+    """"int6-defer4" -> ("int6", 4); a name without the suffix -> (name, None)."""
+    match = SUFFIX.match(name)
+    return (name, None) if match is None else (match.group("base"), int(match.group("every")))
+
+
+@dataclass
+class DeferredState:
+    """One stored deferred state: the codes of the last fit, and the float state since (None right after
+    a fit); age is the number of tokens since the fit (0 right after it)."""
+
+    state: object
+    pending: torch.Tensor | None
+    age: int
+
+
+@dataclass(frozen=True, eq=False)
+class DeferredCodec(Codec):
+    """Inner codec, fitted every ``every``-th decode token (see module docstring).
+
+    inner: the state format of the fits
+    every: R = 2..16, tokens per fit (R = 1 would be the inner format itself)
+    """
+
+    inner: Codec
+    every: int = 4
+    name: str = field(init=False)
+
+    carries_residual = True  # the next encoding depends on what was stored (the age)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.inner, Codec):
+            raise TypeError(f"inner must be a stepquant Codec, got {type(self.inner).__name__}")
+        if isinstance(self.inner, DeferredCodec) or getattr(self.inner, "carries_residual", False):
+            raise ValueError(f"deferred fitting wraps a stateless format; {self.inner.name} already carries "
+                             "state across tokens (error feedback or deferral)")
+        every = self.every
+        if isinstance(every, bool) or not isinstance(every, int) or not 2 <= every <= MAX_DEFER:
+            raise ValueError(f"a deferred format fits every 2..{MAX_DEFER} tokens, got every={self.every!r} "
+                             "(every=1 is the inner format itself)")
+        object.__setattr__(self, "name", f"{self.inner.name}-defer{self.every}")
+
+    def encode(self, states: torch.Tensor) -> DeferredState:
+        """The boundary pack: a fit."""
+        return DeferredState(self.inner.encode(as_fp32(states)), None, 0)
+
+    def requantize(self, states: torch.Tensor, previous: DeferredState | None) -> DeferredState:
+        """The next token's state: a fit when ``every`` tokens have passed since the last one, else the
+        float state beside the last fit's codes."""
+        if previous is None:
+            return self.encode(states)
+        if not isinstance(previous, DeferredState):
+            raise TypeError(f"{self.name} requantizes after a DeferredState, got {type(previous).__name__}")
+        age = previous.age + 1
+        if age >= self.every:
+            return self.encode(states)
+        return DeferredState(previous.state, as_fp32(states).clone(), age)
+
+    def decode(self, encoded: DeferredState) -> torch.Tensor:
+        """What readouts and updates read: the float state between fits, the fit's reconstruction at one."""
+        if not isinstance(encoded, DeferredState):
+            raise TypeError(f"{self.name} decodes a DeferredState, got {type(encoded).__name__}")
+        return encoded.pending.clone() if encoded.pending is not None else self.inner.decode(encoded.state)
+
+    def storage_bits(self, num_heads: int, key_dim: int, value_dim: int, *, analytical: bool = False) -> int:
+        """The inner format's bits plus the serving format's pending updates and accumulated gate."""
+        extra = (self.every - 1) * (key_dim + value_dim) * 16 + key_dim * 32
+        inner = self.inner.storage_bits(num_heads, key_dim, value_dim, analytical=analytical)
+        return inner + num_heads * extra
