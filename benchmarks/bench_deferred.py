@@ -222,6 +222,21 @@ def main(argv=None) -> int:
     copy_bps = bd.copy_bandwidth(args.warmup, args.rep, 2**30 if bd.DEVICE == "cuda" else 2**20)
     rec, checks = bd.Recorder(copy_bps), []
     gpu = torch.cuda.get_device_name() if bd.DEVICE == "cuda" else "cpu (dry run)"
+    fla_version = "skipped" if fla is None else (fla.version or f"unavailable ({fla.error})")
+
+    def snapshot() -> tuple[dict, str]:
+        result = dict(env=dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__, fla=fla_version,
+                               python=platform.python_version(),
+                               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
+                      copy_tbps=copy_bps / 1e12, rows=rec.rows, checks=checks, seconds=time.time() - started,
+                      args={k: v for k, v in vars(args).items() if k != "out"})
+        text = markdown(result)
+        if args.out is not None:  # after every model, so a time limit still leaves results
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "bench_deferred.json").write_text(json.dumps(result, indent=1, default=str))
+            (args.out / "bench_deferred.md").write_text(text)
+        return result, text
+
     for name, spec in models.items():
         for bits in args.bits:
             try:
@@ -232,17 +247,7 @@ def main(argv=None) -> int:
                 checks.append(dict(model=name, bits=bits, error=traceback.format_exc(limit=2)))
             bd.log(f"check {checks[-1]}")
         run(name, spec, args, fla, rec)
-    result = dict(env=dict(gpu=gpu, torch=torch.__version__, triton=triton.__version__,
-                           fla="skipped" if fla is None else (fla.version or f"unavailable ({fla.error})"),
-                           python=platform.python_version(),
-                           date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
-                  copy_tbps=copy_bps / 1e12, rows=rec.rows, checks=checks, seconds=time.time() - started,
-                  args={k: v for k, v in vars(args).items() if k != "out"})
-    text = markdown(result)
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "bench_deferred.json").write_text(json.dumps(result, indent=1, default=str))
-        (args.out / "bench_deferred.md").write_text(text)
+        result, text = snapshot()
     print(text)
     print(json.dumps(dict(bench="deferred", gpu=gpu, checks_passed=all(c.get("passed") for c in checks),
                           seconds=round(result["seconds"], 1))))

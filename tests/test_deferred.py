@@ -100,3 +100,10 @@ def test_eval_method_and_cache():
     assert torch.equal(logits[0][0], logits[1][0])
     assert not torch.equal(logits[0][1][2:], logits[1][1][2:])
     assert torch.equal(logits[0][1][:2], logits[1][1][:2])  # the FP32 row group is untouched
+
+
+def test_codec_methods_take_the_suffix():
+    method = resolve_method("int6-defer4", "gdn", GDN_LINEAR)
+    assert method.label == "INT6 fit/4" and isinstance(method.codecs[0], DeferredCodec)
+    with pytest.raises(ValueError, match="-defer<R>"):
+        resolve_method("int6-defer", "gdn", GDN_LINEAR)

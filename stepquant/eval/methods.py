@@ -84,7 +84,10 @@ class Method:
 
 
 def codec_label(name: str) -> str:
-    key, residual_bits = split_name(name.lower())
+    base, every = split_deferred(name.lower())
+    if every is not None:
+        return f"{codec_label(base)} fit/{every}"
+    key, residual_bits = split_name(base)
     if residual_bits is not None:
         return f"{codec_label(key)} EF{residual_bits}"
     if key in LABELS:
