@@ -92,6 +92,8 @@ def main(argv=None) -> int:
                                               quantizer), 128)
             for pending in (True, False):
                 unique[cuda.defines_for(tables, "writeback", kda, debug, pending)] = None
+            if not debug:  # the readout with the pending terms
+                unique[cuda.defines_for(tables, "readout", kda, False, True)] = None
     cuda.TUNING.update(defaults)
 
     def one(defines):

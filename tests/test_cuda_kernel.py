@@ -438,8 +438,13 @@ def test_writeback_folds_pending_updates(config):
         cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
                     pending=(pend_k[:, :, :, :16], pend_u))
     with pytest.raises(ValueError, match="folded by part='writeback'"):
-        cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="readout", work=work,
-                    pending=(pend_k, pend_u))
+        cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="fused", pending=(pend_k, pend_u))
+    with pytest.raises(ValueError, match="pending_count"):
+        cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
+                    pending=(pend_k, pend_u), pending_count=1)
+    with pytest.raises(ValueError, match="contiguous FP16"):
+        cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
+                    pending=(pend_k.float(), pend_u))
 
 
 @pytest.mark.gpu
@@ -449,36 +454,47 @@ def test_gpu_writeback_folds_pending_updates(config):
     _pending_case(config, device="cuda", num_rows=67, shape="K128-4b")
 
 
-def test_deferred_decode_follows_the_deferred_format():
-    """decode_deferred (readout every token, a fit every R-th) against the float recurrence that fits every
-    R-th token with the layer's codec (codecs/deferred.py's format): y by relative RMS over 7 tokens."""
+def _deferred_case(device: str, shape: str, num_rows: int, tokens: int = 7, every: int = 3) -> None:
+    """decode_deferred (the readout every token with the pending terms, a fit every R-th) against the float
+    recurrence that fits every R-th token with the layer's codec (codecs/deferred.py's format)."""
     from stepquant.kernels.decode.deferred import DeferredBuffers, decode_deferred
     from stepquant.recurrence import prepare_qk, step
 
     for kda in (True, False):
-        layer, q_heads = _layer("K48-uniform-3578", "fill-refit0", num_slots=2)
-        start = torch.randn(2, 4, 48, 128, generator=torch.Generator().manual_seed(5))
-        slots = torch.tensor([1, 0], dtype=torch.int32)
-        naive_pack_states(layer, slots, start)
+        layer, q_heads = _layer(shape, "fill-refit0", num_slots=num_rows, device=device)
+        heads, key_dim = layer.num_heads, layer.key_dim
+        start = torch.randn(num_rows, heads, key_dim, 128, generator=torch.Generator().manual_seed(5))
+        slots = torch.arange(num_rows, dtype=torch.int32, device=device).flip(0).contiguous()
+        naive_pack_states(layer, slots, start.to(device))
         state = last_fit = unpack(layer.gather(slots.long())).dequantize()
         codec = layer.format.codec()
-        buffers = DeferredBuffers.empty(layer.tables, 2, every=3, kda=kda)
-        errors, moved = [], []
-        for t in range(7):
-            q, k, v, g, beta = token_inputs(2, 4, q_heads, 48, 128, kda, seed=30 + t)
+        buffers = DeferredBuffers.empty(layer.tables, num_rows, every=every, kda=kda)
+        errors, ages = [], []
+        for t in range(tokens):
+            q, k, v, g, beta = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=30 + t,
+                                            device=device)
             y = decode_deferred(layer.tables, layer.pages, slots, q, k, v, g, beta, buffers,
                                 use_qk_l2norm=True)
             b_q, b_k = prepare_qk(q, k, use_qk_l2norm=True, mode="kda" if kda else "gdn")
             x, y_ref = step(state, b_q, b_k, v, g, beta)
             errors.append(rel_rms(y, y_ref))
             stored = unpack(layer.gather(slots.long())).dequantize()
-            if t % 3 == 2:  # a fit: the slots hold the codec's fit of (almost) the reference's X
-                fit = codec.roundtrip(x)
-                assert rel_rms(stored, x) <= 1.05 * rel_rms(fit, x)
+            if t % every == every - 1:  # a fit: the slots hold the codec's fit of (almost) the reference's X
+                assert rel_rms(stored, x) <= 1.05 * rel_rms(codec.roundtrip(x), x)
                 state = last_fit = stored  # from here both read the kernel's codes (a code on a tie may flip)
             else:
                 assert torch.equal(stored, last_fit)  # no write between fits
                 state = x
-            moved.append(buffers.age)
-        assert moved == [1, 2, 0, 1, 2, 0, 1]
+            ages.append(buffers.age)
+        assert ages == [(t + 1) % every for t in range(tokens)]
         assert max(errors) < 1e-3, errors  # FP16 pending updates and another summation order
+
+
+def test_deferred_decode_follows_the_deferred_format():
+    _deferred_case("cpu", "K48-uniform-3578", num_rows=2)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_deferred_decode_follows_the_deferred_format():
+    _deferred_case("cuda", "K128-4b", num_rows=37, tokens=9, every=4)

@@ -78,7 +78,8 @@ class _Params(ctypes.Structure):
         ("scale", ctypes.c_float), ("slot_words", ctypes.c_longlong), ("group_magic", ctypes.c_ulonglong),
         ("H", ctypes.c_int), ("HQ", ctypes.c_int), ("K", ctypes.c_int), ("num_scaled", ctypes.c_int),
         ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int), ("pend_n", ctypes.c_int),
-        ("pend_k", ctypes.c_void_p), ("pend_u", ctypes.c_void_p)]
+        ("pend_k", ctypes.c_void_p), ("pend_u", ctypes.c_void_p), ("pend_stride", ctypes.c_int),
+        ("pend_append", ctypes.c_int)]
 
 
 def nvcc_path() -> str | None:
@@ -196,7 +197,8 @@ def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 
 def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *, part: str,
            scale: float, use_qk_l2norm: bool, work: torch.Tensor | None = None,
-           debug: dict | None = None, pending: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+           debug: dict | None = None, pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+           pending_count: int = 0, pending_append: int = -1) -> None:
     """One launch for every head of the layer (grid N x H); inputs already checked and contiguous FP32."""
     kda = g is not None and g.dim() == 3
     device = tables.device
@@ -230,7 +232,8 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
         num_scaled=tables.num_scaled_heads, l2norm=int(use_qk_l2norm),
         bf16_mask=sum(1 << i for i, t in enumerate((q, k, v, g, beta, y))
                       if t is not None and t.dtype == torch.bfloat16),
-        pend_n=0 if pend_k is None else pend_k.shape[2], pend_k=_ptr(pend_k), pend_u=_ptr(pend_u))
+        pend_n=pending_count, pend_k=_ptr(pend_k), pend_u=_ptr(pend_u),
+        pend_stride=0 if pend_k is None else pend_k.shape[2], pend_append=pending_append)
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     status = lib.sq_packed_step(ctypes.byref(p), num_rows, device.index or 0, ctypes.c_void_p(stream))
     if status != 0:
@@ -271,6 +274,8 @@ def decode(
     part: str = "fused",
     work: torch.Tensor | None = None,
     pending: tuple[torch.Tensor, torch.Tensor] | None = None,
+    pending_count: int | None = None,
+    pending_append: int = -1,
     debug: dict | None = None,
 ) -> torch.Tensor:
     """One decode token on packed states, in place; the signature of fused.fused_decode.
@@ -278,8 +283,11 @@ def decode(
     part: "fused", or the split "readout" (y, and u into ``work`` [N, H, V] FP32 when given; slots
     untouched) then "writeback" (requantizes the slots from the u in ``work``; y untouched). On CPU
     tables this runs the emulation build (tests only: slow).
-    pending (writeback only): a deferred state's updates since its last fit, (k_j [N, H, R - 1, K], u_j [N,
-    H, R - 1, V]) FP16, decayed to this token; X adds sum_j k_j u_j^T (stepquant.kernels.decode.deferred).
+    pending: a deferred state's updates since its last fit (stepquant.kernels.decode.deferred), (k_j [N, H,
+    R - 1, K] L2-normalized, u_j [N, H, R - 1, V]) FP16 contiguous, decayed to this token, of which the first
+    ``pending_count`` (default R - 1) are held. The readout adds sum_j (k.k_j) u_j to k^T S and sum_j (q.k_j)
+    u_j to y, and with ``pending_append`` >= 0 stores this token's normalized k and u at that entry; the
+    writeback adds sum_j k_j u_j^T to X (every entry held: a fit).
     """
     check_token_inputs(tables, pages, slots, q, k, v, g, beta)
     _check_supported(tables)
@@ -294,13 +302,23 @@ def decode(
     device = tables.device
     if pending is not None:
         pending = _check_pending(pending, part, v.shape[0], tables, device)
+        stride = pending[0].shape[2]
+        pending_count = stride if pending_count is None else int(pending_count)
+        if not 0 <= pending_count <= stride or not -1 <= pending_append < stride or (
+                part == "writeback" and (pending_count != stride or pending_append != -1)):
+            raise ValueError(f"pending_count must be in [0, {stride}] (the writeback folds all {stride}) and "
+                             f"pending_append in [-1, {stride}) (the readout only); got {pending_count}, "
+                             f"{pending_append}")
+    elif pending_count or pending_append != -1:
+        raise ValueError("pending_count and pending_append need pending=(k_j, u_j)")
     q, k, v, g, beta = (_as_input(t, device) for t in (q, k, v, g, beta))
     slots = slots.to(device, torch.int32).contiguous()
     direct = out is not None and (part == "writeback" or _as_input(out, device) is out)
     result = out if direct else torch.empty(v.shape, dtype=torch.float32, device=device)
     scale = tables.key_dim**-0.5 if scale is None else float(scale)
     launch(tables, pages, slots, q, k, v, g, beta, result, None, part=part, scale=scale,
-           use_qk_l2norm=use_qk_l2norm, work=work, debug=debug, pending=pending)
+           use_qk_l2norm=use_qk_l2norm, work=work, debug=debug, pending=pending,
+           pending_count=pending_count or 0, pending_append=pending_append)
     if out is not None and result is not out:
         active = slots >= 0
         out[active] = result[active].to(out.dtype)
@@ -309,8 +327,8 @@ def decode(
 
 
 def _check_pending(pending, part: str, num_rows: int, tables: FormatTables, device) -> tuple:
-    if part != "writeback":
-        raise ValueError("pending updates are folded by part='writeback' (a deferred state's fit), not "
+    if part not in ("readout", "writeback"):
+        raise ValueError(f"pending updates are read by part='readout' and folded by part='writeback', not "
                          f"{part!r}")
     pend_k, pend_u = pending
     heads = tables.num_heads
@@ -319,7 +337,10 @@ def _check_pending(pending, part: str, num_rows: int, tables: FormatTables, devi
         raise ValueError(f"pending must be (k [N, H, R - 1, K], u [N, H, R - 1, V]) with N = {num_rows}, H = "
                          f"{heads}, K = {tables.key_dim}, V = {VALUE_DIM}, R - 1 >= 1; got "
                          f"{list(pend_k.shape)} and {list(pend_u.shape)}")
-    return tuple(t.to(device, torch.float16).contiguous() for t in (pend_k, pend_u))
+    if any(t.dtype != torch.float16 or not t.is_contiguous() or t.device != device for t in (pend_k, pend_u)):
+        raise ValueError("pending k_j and u_j must be contiguous FP16 tensors on the layer's device (the "
+                         "readout writes into them)")
+    return pend_k, pend_u
 
 
 def pack(tables: FormatTables, pages: Pages, slots: torch.Tensor, states: torch.Tensor, *,

@@ -6,14 +6,15 @@ decay accumulated since that fit (GDN [N, H], KDA [N, H, K], FP32) and the updat
 kept decayed to the last token (GDN scales u_j by each token's gate, KDA k_j by its per-row gates), so
 S = e^{g_sum} . dequant(codes) + sum_j k_j u_j^T. One token, every row of the batch on the same cadence:
 
-    g_sum += g;  pending decayed by g;  b_k, b_q = sum_j (k_j . k) u_j, sum_j (k_j . q) u_j   (torch)
-    readout part with gate g_sum and v - b_k:   u = beta (v - S^T k), y = S^T q + (k . q) u  (+ b_q)
-    the R-th token: writeback part with gate g_sum, u and the pending updates -> new codes; buffers reset
-    otherwise:      (k, u) appended to the pending updates
+    g_sum += g;  pending decayed by g                                        (two small torch ops)
+    readout part (SQ_PENDING) with gate g_sum:  u = beta (v - S^T k), y = S^T q + (k . q) u, where S^T k
+        and S^T q take the pending terms sum_j (k . k_j) u_j, sum_j (q . k_j) u_j (warp reductions of the
+        dots, then one FP16 load per pending update and column); it appends this token's (k, u) in FP16
+    the R-th token: no append; the writeback part (SQ_PENDING) adds sum_j k_j u_j^T to X and fits the codes
+        with gate g_sum; the buffers are reset
 
-q and k are normalized here (stepquant.recurrence.prepare_qk) and enter the kernel as they are, so the
-pending k_j are the kernel's. The buffer terms are a few batched torch ops per token (fusing them into the
-readout is the obvious next step; docs/kernels.md, "Deferred fitting").
+(The first version, 496bde0, computed the pending terms as batched torch ops around the plain readout: 2-3x
+the readout's own time; docs/kernels.md, "Deferred fitting".)
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from stepquant.kernels.tables import FormatTables, Pages
-from stepquant.recurrence import prepare_qk
 
 from . import cuda
 
@@ -55,45 +55,32 @@ class DeferredBuffers:
 
 
 def decode_deferred(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta,
-                    buffers: DeferredBuffers, *, scale: float | None = None,
-                    use_qk_l2norm: bool = False) -> torch.Tensor:
-    """One decode token on deferred packed states (CUDA kernel parts); y [N, H, V] FP32. Fits (writes the
-    slots) when ``buffers`` already holds R - 1 pending updates, else appends this token's."""
-    heads = tables.num_heads
+                    buffers: DeferredBuffers, *, scale: float | None = None, use_qk_l2norm: bool = False,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """One decode token on deferred packed states (CUDA kernel parts); y [N, H, V]. Fits (writes the slots)
+    when ``buffers`` already holds R - 1 pending updates, else appends this token's. Inputs as
+    cuda.decode's."""
     kda = g.dim() == 3
     if buffers.g_sum.shape != g.shape:
         raise ValueError(f"buffers were made for g of shape {list(buffers.g_sum.shape)}, got {list(g.shape)}")
-    b_q, b_k = prepare_qk(q.float(), k.float(), scale=scale, use_qk_l2norm=use_qk_l2norm,
-                          mode="kda" if kda else "gdn")
-    group = heads // b_k.shape[1]
-    if group > 1:  # one q/k head per group of value heads
-        b_q, b_k = b_q.repeat_interleave(group, 1), b_k.repeat_interleave(group, 1)
-    g = g.float().to(buffers.g_sum.device)
+    g = g.to(buffers.g_sum.device, torch.float32)
     buffers.g_sum += g
-    v = v.float()
     age = buffers.age
-    if age:
-        decay = torch.exp(g)
-        pend_k, pend_u = buffers.pend_k[:, :, :age], buffers.pend_u[:, :, :age]
+    if age:  # decay the pending updates to this token: KDA's k_j by its per-row gates, GDN's u_j by its gate
         if kda:
-            pend_k.mul_(decay[:, :, None, :])
+            buffers.pend_k[:, :, :age].mul_(torch.exp(g)[:, :, None, :])
         else:
-            pend_u.mul_(decay[:, :, None, None])
-        qk = torch.stack((b_k, b_q), dim=2)                                        # [N, H, 2, K]
-        dots = torch.matmul(qk, pend_k.float().transpose(-1, -2))                  # [N, H, 2, age]
-        terms = torch.matmul(dots, pend_u.float())                                 # [N, H, 2, V]
-        v = v - terms[:, :, 0]
-    work = torch.empty(v.shape, dtype=torch.float32, device=v.device)
-    y = cuda.decode(tables, pages, slots, b_q, b_k, v, buffers.g_sum, beta, scale=1.0, part="readout",
-                    work=work)
-    if age:
-        y += terms[:, :, 1]
-    if age == buffers.every - 1:
-        cuda.decode(tables, pages, slots, b_q, b_k, v, buffers.g_sum, beta, scale=1.0, out=y,
-                    part="writeback", work=work, pending=(buffers.pend_k, buffers.pend_u))
+            buffers.pend_u[:, :, :age].mul_(torch.exp(g)[:, :, None, None])
+    fit = age == buffers.every - 1
+    pending = (buffers.pend_k, buffers.pend_u)
+    work = torch.empty(v.shape, dtype=torch.float32, device=buffers.g_sum.device) if fit else None
+    y = cuda.decode(tables, pages, slots, q, k, v, buffers.g_sum, beta, scale=scale,
+                    use_qk_l2norm=use_qk_l2norm, out=out, part="readout", work=work, pending=pending,
+                    pending_count=age, pending_append=-1 if fit else age)
+    if fit:
+        cuda.decode(tables, pages, slots, q, k, v, buffers.g_sum, beta, scale=scale,
+                    use_qk_l2norm=use_qk_l2norm, out=y, part="writeback", work=work, pending=pending)
         buffers.clear()
     else:
-        buffers.pend_k[:, :, age] = b_k
-        buffers.pend_u[:, :, age] = work
         buffers.age = age + 1
     return y

@@ -65,13 +65,14 @@
 #define SQ_ROW_FILL 0  // 1: DualAxisConfig.row_fill (each row rescaled to reach its grid's top; needs SQ_RECIP)
 #endif
 #ifndef SQ_PENDING
-#define SQ_PENDING 0  // 1 (writeback): X also adds the pending rank-1 updates of a deferred state (pend_k, pend_u)
+#define SQ_PENDING 0  // 1: a deferred state's pending rank-1 updates (pend_k, pend_u): the readout adds their terms
+                      // to u and y (and appends this token's k, u), the writeback adds them to X
 #endif
 #ifndef SQ_ITEMS
 #define SQ_ITEMS 1  // tuning: batch rows per CTA (one head); > 1 stages the next row's inputs while one computes
 #endif
 static_assert(!SQ_ROW_FILL || (SQ_DUAL && SQ_RECIP), "row fill is defined for the reciprocal dual-axis fit");
-static_assert(!SQ_PENDING || SQ_PART == 2, "pending updates are folded by the writeback part");
+static_assert(!SQ_PENDING || SQ_PART == 1 || SQ_PART == 2, "pending updates: the readout and the writeback parts");
 
 // The launch arguments (cuda.py builds the same struct with ctypes). Outside the anonymous namespace:
 // a function taking a type of internal linkage gets internal linkage too, and ctypes could not find
@@ -103,9 +104,11 @@ struct Params {
     unsigned long long group_magic;  // ceil(2^32 / (H / HQ)): q/k head of head h = (h * group_magic) >> 32
     int H, HQ, K, num_scaled, l2norm;
     int bf16_mask;          // which of q, k, v, g, beta, y are BF16 (the rest FP32)
-    int pend_n;             // SQ_PENDING: pending updates per (row, head) (codecs/deferred.py: R - 1)
-    const __half* pend_k;   // [N, H, pend_n, K] FP16 k_j, decayed to this token
-    const __half* pend_u;   // [N, H, pend_n, V] FP16 u_j
+    int pend_n;             // SQ_PENDING: the pending updates held (read: entries 0 .. pend_n - 1)
+    __half* pend_k;         // [N, H, pend_stride, K] FP16 k_j (L2-normalized), decayed to this token
+    __half* pend_u;         // [N, H, pend_stride, V] FP16 u_j
+    int pend_stride;        // entries per (row, head): R - 1 (codecs/deferred.py)
+    int pend_append;        // the readout stores this token's k (normalized) and u at this entry; -1: none
 };
 
 namespace {
@@ -167,6 +170,7 @@ struct Shared {
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
     float red[12];
     int item_slot[SQ_ITEMS];  // the slots of the CTA's batch rows (STAGED)
+    float pdot[SQ_PENDING && SQ_PART == 1 ? 4 * 2 * 16 : 1];  // [warp][k or q][j]: partial k.k_j, q.k_j
     alignas(16) float readout[OWN_READOUT_BUFFER ? 2 * NUM_WARPS * V : 1];  // readout partials [k or q][warp][V]
     union {  // STAGED: both live in the staging buffers (below) instead
         uint4 stage[STAGED ? 1 : STAGE_WORDS / 4];  // the head's code words (step 1)
@@ -544,7 +548,7 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
             for (int r = 0; r < ROWS; ++r) form_x(sm, x[r], row_pivot[r], c_old, u, row0 + r);
             if (row0 < K) {
                 for (int j = 0; j < p.pend_n; ++j) {
-                    const long long at = nh * p.pend_n + j;
+                    const long long at = nh * p.pend_stride + j;
                     // FP16 pairs read as __half2 from memory (no type punning of registers: the emulation
                     // build's C++ would not see through it)
                     const __half2* u2 = reinterpret_cast<const __half2*>(p.pend_u + at * V + 4 * lane);
@@ -928,6 +932,14 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         sm.row[i] = make_float4(a * k_i, a * q_i, a, k_i);
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
+        if constexpr (SQ_PENDING && SQ_PART == READOUT) {  // k . k_j and q . k_j before the norms of k and q
+#pragma unroll 1
+            for (int e = 0; e < p.pend_n; ++e) {
+                const float kj = i < K ? __half2float(p.pend_k[(nh * p.pend_stride + e) * K + i]) : 0.f;
+                const float dk = warp_sum(k_i * kj), dq = warp_sum(q_i * kj);
+                if (lane == 0) { sm.pdot[(warp * 2) * 16 + e] = dk; sm.pdot[(warp * 2 + 1) * 16 + e] = dq; }
+            }
+        }
     } else if (column_thread(tid)) {
         const int j = tid - MAX_K;
         float c_old = 1.f;
@@ -948,6 +960,10 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         fq = (SQ_KDA ? 1.f / sqrtf(qn + 1e-6f) : rsqrtf(qn + 1e-6f)) * p.scale;
     }
     const float kq = (sm.red[8] + sm.red[9] + sm.red[10] + sm.red[11]) * (fk * fq);
+    if constexpr (SQ_PENDING && SQ_PART == READOUT) {  // append this token's k, normalized, to the pending
+        if (p.pend_append >= 0 && tid < K)
+            p.pend_k[(nh * p.pend_stride + p.pend_append) * K + tid] = __float2half_rn(k_i * fk);
+    }
 
     float x[ROWS][COLS];  // levels, then X, then Y (pivot rows: values, then X)
     bool row_pivot[ROWS];
@@ -1035,13 +1051,26 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             float s = 0.f;
 #pragma unroll
             for (int w = 0; w < NUM_WARPS; ++w) s += part[(a * NUM_WARPS + w) * V + j];
-            const float ds = __fmul_rn(sm.col[0][j], s) * (a ? fq : fk);  // the norms, after the sums
+            float ds = __fmul_rn(sm.col[0][j], s) * (a ? fq : fk);  // the norms, after the sums
+            if constexpr (SQ_PENDING && SQ_PART == READOUT) {  // + sum_e (k.k_e or q.k_e) u_e[j]
+#pragma unroll 1
+                for (int e = 0; e < p.pend_n; ++e) {
+                    float d = 0.f;
+#pragma unroll
+                    for (int w = 0; w < 4; ++w) d += sm.pdot[(w * 2 + a) * 16 + e];
+                    const float ue = __half2float(p.pend_u[(nh * p.pend_stride + e) * V + j]);
+                    ds = __fmaf_rn(d * (a ? fq : fk), ue, ds);
+                }
+            }
             if (a) {
                 qds = ds;
             } else {
                 const float u = beta * (v_j - ds);  // ds = k^T (D S)_j
                 sm.col[1][j] = u;
                 if (SQ_PART == READOUT && p.work) p.work[nh * V + j] = u;
+                if constexpr (SQ_PENDING && SQ_PART == READOUT) {
+                    if (p.pend_append >= 0) p.pend_u[(nh * p.pend_stride + p.pend_append) * V + j] = __float2half_rn(u);
+                }
             }
         }
         __syncthreads();
