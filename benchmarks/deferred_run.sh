@@ -27,7 +27,7 @@ cat "$OUT/env.txt"
 timeout "${BUILD_TIMEOUT:-240}" python3 benchmarks/build_cuda.py --jobs "$(nproc)" --deferred-only \
     > "$OUT/build_cuda.log" 2>&1
 echo "build exit $?"; tail -n 1 "$OUT/build_cuda.log"
-timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_cuda_kernel.py -k pending -q -rA \
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_cuda_kernel.py -k "pending or deferred" -q -rA \
     -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests exit $?"; tail -n 3 "$OUT/gpu_tests.log"
 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_deferred.py --out "$OUT" \
