@@ -67,6 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from stepquant.accounting import GIB, MIB, float_bytes, max_batch, stepquant_bytes  # noqa: E402
 from stepquant.accounting.synthetic import synthetic_layer_formats  # noqa: E402
 from stepquant.codecs.dual_axis import DualAxisConfig  # noqa: E402
+from stepquant.eval.report import save_png  # noqa: E402
 from stepquant.families import shape_from_config  # noqa: E402
 from stepquant.kernels.prefill import untuned_triton_autotune  # noqa: E402
 from stepquant.kernels.tables import FormatTables, Pages  # noqa: E402
@@ -765,7 +766,7 @@ def plot(result: dict, path: Path) -> bool:
             ax.legend(fontsize=8)
         axes[0][col].set_title(f"{preset} shape, random weights ({result['device']})")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_png(fig, path)
     return True
 
 
