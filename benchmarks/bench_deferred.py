@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench_decode as bd  # noqa: E402
 
-from stepquant.codecs import LayerFormat  # noqa: E402
+from stepquant.codecs import DeferredCodec, LayerFormat, make_codec  # noqa: E402
 from stepquant.codecs.packing import unpack  # noqa: E402
 from stepquant.kernels.decode import cuda  # noqa: E402
 from stepquant.kernels.decode.deferred import DeferredBuffers, decode_deferred  # noqa: E402
@@ -51,8 +51,14 @@ QUANTIZERS = {6: ("row fill, no refit", bd.FILL_0), 4: ("row fill, mid-tread, 1 
 
 
 def buffer_bits_per_value(every: int, key_dim: int, value_dim: int) -> float:
-    """What a deferred state holds beside its codes (codecs/deferred.py's count), per state value."""
-    return ((every - 1) * (key_dim + value_dim) * 16 + key_dim * 32) / (key_dim * value_dim)
+    """What a deferred state holds beside its codes (DeferredCodec.storage_bits' count), per state value."""
+    inner, dims = make_codec("fp32"), (1, key_dim, value_dim)
+    extra = DeferredCodec(inner, every).storage_bits(*dims) - inner.storage_bits(*dims)
+    return extra / (key_dim * value_dim)
+
+
+def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def check(name: str, spec: dict, bits: int, every: int = 4, batch: int = 8, tokens: int = 9) -> dict:
@@ -70,10 +76,10 @@ def check(name: str, spec: dict, bits: int, every: int = 4, batch: int = 8, toke
         y = decode_deferred(layer.tables, layer.pages, slots, q, k, v, g, beta, buffers, use_qk_l2norm=True)
         b_q, b_k = prepare_qk(q, k, use_qk_l2norm=True, mode="kda" if kda else "gdn")
         x, y_ref = step(state, b_q, b_k, v, g, beta)
-        errors.append(bd_rel_rms(y, y_ref))
+        errors.append(rel_rms(y, y_ref))
         stored = unpack(layer.gather(slots.long())).dequantize()
         if t % every == every - 1:
-            fit_excess.append(bd_rel_rms(stored, x) / max(bd_rel_rms(codec.roundtrip(x), x), 1e-30))
+            fit_excess.append(rel_rms(stored, x) / max(rel_rms(codec.roundtrip(x), x), 1e-30))
             state = last_fit = stored
         else:
             untouched &= torch.equal(stored, last_fit)
@@ -81,10 +87,6 @@ def check(name: str, spec: dict, bits: int, every: int = 4, batch: int = 8, toke
     ok = max(errors) < 1e-3 and max(fit_excess) <= 1.05 and untouched
     return dict(model=name, bits=bits, every=every, batch=batch, tokens=tokens, max_y_rel_rms=max(errors),
                 fit_error_vs_codec=max(fit_excess), slots_untouched_between_fits=untouched, passed=ok)
-
-
-def bd_rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
 def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:

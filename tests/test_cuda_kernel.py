@@ -442,6 +442,10 @@ def test_writeback_folds_pending_updates(config):
     with pytest.raises(ValueError, match="pending_count"):
         cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
                     pending=(pend_k, pend_u), pending_count=1)
+    from stepquant.kernels.decode.deferred import DeferredBuffers
+
+    with pytest.raises(ValueError, match="every 2..16"):  # the kernel holds at most 15 pending updates
+        DeferredBuffers.empty(kernel.tables, 3, every=17, kda=True)
     with pytest.raises(ValueError, match="contiguous FP16"):
         cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
                     pending=(pend_k.float(), pend_u))

@@ -13,7 +13,7 @@ where X_t is the float state the layer computed from the decoded previous state.
 the same state as the codes of the last fit, the decay accumulated since (a log-gate per key row, FP32)
 and the rank-1 updates since (k_r and u_r = beta_r (v_r - ...), FP16), and reads
 S_t = G_t . dequant(codes) + sum_r k_r u_r^T (decayed to t). Only every R-th token fits and writes the
-codes; the others read them. So a request's state takes R - 1 times fewer requantizations, and its
+codes; the others read them. So a request's state takes R times fewer requantizations, and its
 per-token cost is the readout plus 1/R of the fit.
 
 What this module models: the quantization events. The R - 1 pending updates are held here as the float
@@ -37,7 +37,7 @@ import torch
 
 from .base import Codec, as_fp32
 
-MAX_DEFER = 16
+MAX_DEFER = 16  # the CUDA kernel takes up to 15 pending updates (kernels/decode/cuda.py MAX_PENDING)
 SUFFIX = re.compile(r"^(?P<base>.+)-defer(?P<every>[0-9]+)$")
 
 
@@ -74,7 +74,7 @@ class DeferredCodec(Codec):
     def __post_init__(self) -> None:
         if not isinstance(self.inner, Codec):
             raise TypeError(f"inner must be a stepquant Codec, got {type(self.inner).__name__}")
-        if isinstance(self.inner, DeferredCodec) or getattr(self.inner, "carries_residual", False):
+        if getattr(self.inner, "carries_residual", False):
             raise ValueError(f"deferred fitting wraps a stateless format; {self.inner.name} already carries "
                              "state across tokens (error feedback or deferral)")
         every = self.every

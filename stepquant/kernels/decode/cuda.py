@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from stepquant.codecs.base import Grid
+from stepquant.codecs.deferred import MAX_DEFER
 from stepquant.codecs.dual_axis import ROW_STATS
 from stepquant.kernels.tables import FormatTables, Pages
 
@@ -40,6 +41,7 @@ VALUE_DIM = 128  # four value columns per lane of a warp
 MAX_KEY_DIM = 128  # sixteen key rows per warp, eight warps
 KEY_DIM_STEP = 16  # K is a multiple of the rows of one warp
 PARTS = {"fused": 0, "readout": 1, "writeback": 2, "pack": 3}
+MAX_PENDING = MAX_DEFER - 1  # a deferred state's held updates per (row, head); packed_step.cu's MAX_PENDING
 
 
 def _tuning_from_env(name: str, default: int, allowed, what: str) -> int:
@@ -154,8 +156,8 @@ def _load(defines: tuple[tuple[str, int], ...], target: str) -> ctypes.CDLL:
 
 def defines_for(tables: FormatTables, part: str, kda: bool, debug: bool = False,
                 pending: bool = False) -> tuple[tuple[str, int], ...]:
-    """The SQ_* macros of a layer's quantizer (what one compiled library serves); pending: the writeback
-    folds a deferred state's pending updates (SQ_PENDING)."""
+    """The SQ_* macros of a layer's quantizer (what one compiled library serves); pending: the readout and the
+    writeback take a deferred state's pending updates (SQ_PENDING)."""
     config = tables.format.config
     dual = tables.has_col_scale
     clipped = sum(1 << b for b in range(2, 9) if config.clip_for(b) < 1.0)
@@ -333,9 +335,9 @@ def _check_pending(pending, part: str, num_rows: int, tables: FormatTables, devi
     pend_k, pend_u = pending
     heads = tables.num_heads
     if (pend_k.dim() != 4 or pend_k.shape[:2] != (num_rows, heads) or pend_k.shape[3] != tables.key_dim
-            or pend_u.shape != (*pend_k.shape[:3], VALUE_DIM) or pend_k.shape[2] < 1):
+            or pend_u.shape != (*pend_k.shape[:3], VALUE_DIM) or not 1 <= pend_k.shape[2] <= MAX_PENDING):
         raise ValueError(f"pending must be (k [N, H, R - 1, K], u [N, H, R - 1, V]) with N = {num_rows}, H = "
-                         f"{heads}, K = {tables.key_dim}, V = {VALUE_DIM}, R - 1 >= 1; got "
+                         f"{heads}, K = {tables.key_dim}, V = {VALUE_DIM}, 1 <= R - 1 <= {MAX_PENDING}; got "
                          f"{list(pend_k.shape)} and {list(pend_u.shape)}")
     if any(t.dtype != torch.float16 or not t.is_contiguous() or t.device != device for t in (pend_k, pend_u)):
         raise ValueError("pending k_j and u_j must be contiguous FP16 tensors on the layer's device (the "

@@ -33,7 +33,6 @@ struct dim3 {
     dim3() = default;
     dim3(unsigned a, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
 };
-struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 struct int4 { int x, y, z, w; };
 struct float2 { float x, y; };

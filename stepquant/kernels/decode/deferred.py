@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stepquant.codecs.deferred import MAX_DEFER
 from stepquant.kernels.tables import FormatTables, Pages
 
 from . import cuda
@@ -40,8 +41,8 @@ class DeferredBuffers:
 
     @classmethod
     def empty(cls, tables: FormatTables, num_rows: int, every: int, kda: bool) -> DeferredBuffers:
-        if isinstance(every, bool) or not isinstance(every, int) or every < 2:
-            raise ValueError(f"a deferred state fits every R >= 2 tokens, got every={every!r}")
+        if isinstance(every, bool) or not isinstance(every, int) or not 2 <= every <= MAX_DEFER:
+            raise ValueError(f"a deferred state fits every 2..{MAX_DEFER} tokens, got every={every!r}")
         heads, key_dim, value_dim = tables.num_heads, tables.key_dim, tables.value_dim
         device = tables.device
         g_sum = torch.zeros(num_rows, heads, *((key_dim,) if kda else ()), device=device)

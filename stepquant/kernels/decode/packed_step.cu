@@ -144,7 +144,8 @@ static_assert(SQ_ITEMS >= 1 && SQ_ITEMS <= 32, "SQ_ITEMS: 1 to 32 batch rows per
 
 
 
-constexpr int STAGE_WORDS = MAX_K * V / 2;  // a head of FP16 pivot rows: 128 rows x 64 words (32 KB)
+constexpr int STAGE_WORDS = MAX_K * V / 2;
+constexpr int MAX_PENDING = 15;  // SQ_PENDING: held updates per (row, head), R - 1 (cuda.MAX_PENDING)  // a head of FP16 pivot rows: 128 rows x 64 words (32 KB)
 
 // The scratch buffer (it shares its memory with the stage) holds, one after another, the row partials of
 // step 3 [warp][lane][pad] at 0, the column maxima of step 4 [warp][V] at COLMAX_AT and the refit sums of
@@ -170,7 +171,7 @@ struct Shared {
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
     float red[12];
     int item_slot[SQ_ITEMS];  // the slots of the CTA's batch rows (STAGED)
-    float pdot[SQ_PENDING && SQ_PART == 1 ? 4 * 2 * 16 : 1];  // [warp][k or q][j]: partial k.k_j, q.k_j
+    float pdot[SQ_PENDING && SQ_PART == 1 ? 4 * 2 * MAX_PENDING : 1];  // [row warp][k or q][j]: k.k_j, q.k_j
     alignas(16) float readout[OWN_READOUT_BUFFER ? 2 * NUM_WARPS * V : 1];  // readout partials [k or q][warp][V]
     union {  // STAGED: both live in the staging buffers (below) instead
         uint4 stage[STAGED ? 1 : STAGE_WORDS / 4];  // the head's code words (step 1)
@@ -937,7 +938,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             for (int e = 0; e < p.pend_n; ++e) {
                 const float kj = i < K ? __half2float(p.pend_k[(nh * p.pend_stride + e) * K + i]) : 0.f;
                 const float dk = warp_sum(k_i * kj), dq = warp_sum(q_i * kj);
-                if (lane == 0) { sm.pdot[(warp * 2) * 16 + e] = dk; sm.pdot[(warp * 2 + 1) * 16 + e] = dq; }
+                if (lane == 0) { sm.pdot[(warp * 2) * MAX_PENDING + e] = dk; sm.pdot[(warp * 2 + 1) * MAX_PENDING + e] = dq; }
             }
         }
     } else if (column_thread(tid)) {
@@ -1057,7 +1058,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
                 for (int e = 0; e < p.pend_n; ++e) {
                     float d = 0.f;
 #pragma unroll
-                    for (int w = 0; w < 4; ++w) d += sm.pdot[(w * 2 + a) * 16 + e];
+                    for (int w = 0; w < 4; ++w) d += sm.pdot[(w * 2 + a) * MAX_PENDING + e];
                     const float ue = __half2float(p.pend_u[(nh * p.pend_stride + e) * V + j]);
                     ds = __fmaf_rn(d * (a ? fq : fk), ue, ds);
                 }
