@@ -9,9 +9,13 @@ refit; synthetic plans shaped like the shipped ones, as bench_decode.py's):
 - "per-token fused": the shipped step (R = 1), for reference; "readout alone": the split readout;
 - "deferred R": a cycle of R tokens (R - 1 readouts with the pending updates, then one fit) divided by R:
   the mean per-token cost; "readout token" / "fit token": the two kinds of token alone (R - 2 and R - 1
-  pending updates);
+  pending updates); the fit in one pass (the fused step with the pending updates), and "[split fit]" as
+  the readout then the writeback;
 - fla's own FP32 step in the same run; at batches up to --graph-below, fla, the fused step and a deferred
-  cycle also replayed from a CUDA graph ("[graph]": the GPU time without Python's launch overhead).
+  cycle also replayed from a CUDA graph ("[graph]": the GPU time without Python's launch overhead);
+- with ``--source NAME=PATH`` (repeatable), the deferred rows with the split fit also for that version of
+  packed_step.cu ("[NAME]"), timed right after the current source's on the same slots: a kernel change is
+  judged within one run (the Params struct must be the same).
 
 Every time is triton.testing.do_bench's median (L2 flushed before every call; slots rotate over a pool
 several times the L2 size). Before timing, the deferred step is checked at the real shape against the
@@ -20,6 +24,7 @@ tests/test_cuda_kernel.py::test_deferred_decode_follows_the_deferred_format at K
 
     python benchmarks/bench_deferred.py --out DIR          # on a GPU, a few minutes
     python benchmarks/bench_deferred.py --dry-run          # CPU: the CUDA kernel's emulation build, tiny
+    python benchmarks/bench_deferred.py --source old=/tmp/packed_step_old.cu --out DIR
 
 Prints a table last, then one JSON line; with --out writes bench_deferred.json and bench_deferred.md.
 """
@@ -27,11 +32,14 @@ Prints a table last, then one JSON line; with --out writes bench_deferred.json a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import platform
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -45,6 +53,7 @@ from stepquant.codecs import DeferredCodec, LayerFormat, make_codec  # noqa: E40
 from stepquant.codecs.packing import unpack  # noqa: E402
 from stepquant.kernels.decode import cuda  # noqa: E402
 from stepquant.kernels.decode.deferred import DeferredBuffers, decode_deferred  # noqa: E402
+from stepquant.kernels.tables import FormatTables  # noqa: E402
 from stepquant.recurrence import prepare_qk, step  # noqa: E402
 
 QUANTIZERS = {6: ("row fill, no refit", bd.FILL_0), 4: ("row fill, mid-tread, 1 refit", bd.FILL_MIDTREAD_1)}
@@ -87,6 +96,37 @@ def check(name: str, spec: dict, bits: int, every: int = 4, batch: int = 8, toke
     ok = max(errors) < 1e-3 and max(fit_excess) <= 1.05 and untouched
     return dict(model=name, bits=bits, every=every, batch=batch, tokens=tokens, max_y_rel_rms=max(errors),
                 fit_error_vs_codec=max(fit_excess), slots_untouched_between_fits=untouched, passed=ok)
+
+
+@contextlib.contextmanager
+def using_source(path: Path):
+    """cuda.decode's libraries built from this packed_step.cu inside the block."""
+    current = cuda.SOURCE
+    cuda.SOURCE = path
+    cuda._load.cache_clear()
+    try:
+        yield
+    finally:
+        cuda.SOURCE = current
+        cuda._load.cache_clear()
+
+
+def prebuild(sources: dict, models: dict, bits: list[int]) -> None:
+    """The deferred path's libraries (SQ_PENDING: the readout, the writeback and, for the current source, the
+    fused fit) of every source, in parallel."""
+    jobs = []
+    for name, spec in models.items():
+        for b in bits:
+            fmt = LayerFormat(bd.synthetic_plan(name, b, spec["heads"]), None, "dual_axis", QUANTIZERS[b][1])
+            tables = FormatTables(fmt, bd.VALUE_DIM)
+            jobs += [(path, cuda.defines_for(tables, part, spec["kda"], False, True))
+                     for part in ("readout", "writeback", "fused") for path in sources.values()
+                     if part != "fused" or path == cuda.SOURCE]
+    target = cuda._target(torch.device(bd.DEVICE))
+    started = time.time()
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        list(pool.map(lambda job: cuda.build(job[1], target, source=job[0]), jobs))
+    bd.log(f"built {len(jobs)} deferred-path libraries in {time.time() - started:.0f} s")
 
 
 def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
@@ -137,31 +177,40 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
                 buffers = [DeferredBuffers.empty(layer.tables, batch, every, kda) for _ in slot_groups]
                 pairs = list(zip(slot_groups, buffers, strict=True))
 
-                def cycle(pair, every=every, t=tensors, x=inputs):
+                def cycle(pair, fit, every=every, t=tensors, x=inputs):
                     for _ in range(every):
-                        decode_deferred(*t, pair[0], *x, pair[1], use_qk_l2norm=True)
+                        decode_deferred(*t, pair[0], *x, pair[1], use_qk_l2norm=True, fit=fit)
 
-                def token(pair, age, t=tensors, x=inputs):
+                def token(pair, age, fit, t=tensors, x=inputs):
                     pair[1].age = age  # R - 2: the last readout-only token of a cycle; R - 1: a fit
-                    decode_deferred(*t, pair[0], *x, pair[1], use_qk_l2norm=True)
+                    decode_deferred(*t, pair[0], *x, pair[1], use_qk_l2norm=True, fit=fit)
                     pair[1].clear()
 
                 deferred_extra = dict(extra, every=every, bits_per_value=extra["bits_per_value"]
                                       + buffer_bits_per_value(every, bd.KEY_DIM, bd.VALUE_DIM))
-                try:
-                    ms = bd.bench(bd.rotating(cycle, pairs), args.warmup, args.rep) / every
-                    rec.add(name, f"deferred R={every} ({label}), per token", bits, batch, ms, moved,
-                            **deferred_extra)
-                    if graphs:  # a captured cycle of R tokens (each ends with a fit: the ages repeat)
-                        ms = bd.bench_graph(cycle, pairs, args.warmup, args.rep) / every
-                        rec.add(name, f"deferred R={every} ({label}), per token [graph]", bits, batch, ms,
-                                moved, **deferred_extra)
-                    for kind, age in (("readout token", every - 2), ("fit token", every - 1)):
-                        ms = bd.bench(bd.rotating(lambda p, a=age: token(p, a), pairs), args.warmup, args.rep)
-                        rec.add(name, f"deferred R={every} ({label}), {kind}", bits, batch, ms, moved,
-                                **deferred_extra)
-                except Exception:
-                    bd.log(traceback.format_exc())
+                versions = [("", cuda.SOURCE, "fused"), (" [split fit]", cuda.SOURCE, "split"),
+                            *((f" [{source}]", path, "split") for source, path in args.sources.items()
+                              if source != "current")]
+                for tag, path, fit in versions:
+                    row = f"deferred R={every} ({label}), " + "{}" + tag
+                    try:
+                        with using_source(path):
+                            ms = bd.bench(bd.rotating(lambda p, f=fit: cycle(p, f), pairs), args.warmup,
+                                          args.rep) / every
+                            rec.add(name, row.format("per token"), bits, batch, ms, moved, **deferred_extra)
+                            if graphs:  # a captured cycle of R tokens (each ends with a fit: the ages repeat)
+                                ms = bd.bench_graph(lambda p, f=fit: cycle(p, f), pairs, args.warmup,
+                                                    args.rep) / every
+                                rec.add(name, row.format("per token") + " [graph]", bits, batch, ms, moved,
+                                        **deferred_extra)
+                            for kind, age in (("readout token", every - 2), ("fit token", every - 1)):
+                                if kind == "readout token" and tag == " [split fit]":
+                                    continue  # the same readout as the one-pass fit's
+                                ms = bd.bench(bd.rotating(lambda p, a=age, f=fit: token(p, a, f), pairs),
+                                              args.warmup, args.rep)
+                                rec.add(name, row.format(kind), bits, batch, ms, moved, **deferred_extra)
+                    except Exception:
+                        bd.log(traceback.format_exc())
                 del buffers, pairs
             del layer
             if bd.DEVICE == "cuda":
@@ -204,8 +253,17 @@ def main(argv=None) -> int:
     parser.add_argument("--graph-below", type=int, default=64,
                         help="also replay fla, the fused step and deferred cycles from CUDA graphs up to "
                              "this batch")
+    parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
+                        help="also time the deferred rows with this version of packed_step.cu (repeatable)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, the CUDA kernel's emulation build, tiny")
     args = parser.parse_args(argv)
+    args.sources = {"current": cuda.SOURCE}
+    for item in args.source:
+        source, _, path = item.partition("=")
+        if not source or source == "current" or not Path(path).is_file():
+            parser.error(f"--source {item!r}: give NAME=PATH of an existing packed_step.cu (NAME: not "
+                         "'current')")
+        args.sources[source] = Path(path).resolve()
     ints = lambda s: [int(x) for x in s.split(",") if x]
     args.batches, args.bits, args.every = ints(args.batches), ints(args.bits), ints(args.every)
     models = {m: dict(bd.MODELS[m]) for m in args.models.split(",") if m}
@@ -220,6 +278,8 @@ def main(argv=None) -> int:
     import triton
 
     started = time.time()
+    if len(args.sources) > 1:
+        prebuild(args.sources, models, args.bits)
     fla = None if args.no_fla else bd.Fla()
     copy_bps = bd.copy_bandwidth(args.warmup, args.rep, 2**30 if bd.DEVICE == "cuda" else 2**20)
     rec, checks = bd.Recorder(copy_bps), []
@@ -231,7 +291,8 @@ def main(argv=None) -> int:
                                python=platform.python_version(),
                                date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())),
                       copy_tbps=copy_bps / 1e12, rows=rec.rows, checks=checks, seconds=time.time() - started,
-                      args={k: v for k, v in vars(args).items() if k != "out"})
+                      args={k: v for k, v in vars(args).items() if k not in ("out", "sources")},
+                      sources={k: str(v) for k, v in args.sources.items()})
         text = markdown(result)
         if args.out is not None:  # after every model, so a time limit still leaves results
             args.out.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,9 @@ CONFIGS = (
     + [("absmax", EXACT_2, "fused", kda, debug) for kda in (False, True) for debug in (False, True)]
     + [("dual_axis", q, "pack", False, debug) for q in (*DUAL, PACK_EXACT) for debug in (False, True)]
 )
-# the deferred format's fit, the writeback with pending updates (bench_deferred.py; with its plain debug twin,
-# test_gpu_writeback_folds_pending_updates): (quantizer, kda, debug)
+# the deferred format's parts with pending updates (bench_deferred.py, the GPU tests): the writeback (with its
+# plain debug twin, test_gpu_writeback_folds_pending_updates), the readout and the fused fit: (quantizer, kda,
+# debug)
 PENDING = [(q, kda, debug) for q in (FILL_0, FILL_MIDTREAD_1) for kda in (False, True)
            for debug in (False, True)]
 
@@ -92,8 +93,9 @@ def main(argv=None) -> int:
                                               quantizer), 128)
             for pending in (True, False):
                 unique[cuda.defines_for(tables, "writeback", kda, debug, pending)] = None
-            if not debug:  # the readout with the pending terms
-                unique[cuda.defines_for(tables, "readout", kda, False, True)] = None
+            if not debug:  # the readout with the pending terms, and the fit token in one pass
+                for part in ("readout", "fused"):
+                    unique[cuda.defines_for(tables, part, kda, False, True)] = None
     cuda.TUNING.update(defaults)
 
     def one(defines):

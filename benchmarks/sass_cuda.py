@@ -47,6 +47,9 @@ def main(argv=None) -> int:
     parser.add_argument("--items", type=int, default=None,
                         help="batch rows per CTA (SQ_ITEMS; > 1 stages the next row's inputs; default: what "
                              "cuda.defines_for compiles for the part)")
+    parser.add_argument("--pending", action="store_true",
+                        help="a deferred state's pending updates (SQ_PENDING: the readout or the writeback)")
+    parser.add_argument("--source", type=Path, default=cuda.SOURCE, help="another version of packed_step.cu")
     parser.add_argument("--dump", type=Path, default=None, help="also write the body's disassembly here")
     args = parser.parse_args(argv)
     if args.items is None:
@@ -55,7 +58,8 @@ def main(argv=None) -> int:
                "SQ_RECIP": int(args.division == "reciprocal"), "SQ_ROW_STAT": 1, "SQ_KDA": int(args.kda),
                "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_ROW_FILL": int(args.row_fill), "SQ_DEBUG": 0,
                "SQ_ONLY_KIND": args.kind,
-               "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": cuda.TUNING["SQ_MIN_BLOCKS"], "SQ_ITEMS": args.items}
+               "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": cuda.TUNING["SQ_MIN_BLOCKS"], "SQ_ITEMS": args.items,
+               "SQ_PENDING": int(args.pending)}
     values_per_thread = 4 * args.rows  # a rows x 4 tile per thread
     nvcc = cuda.nvcc_path()
     if nvcc is None:
@@ -65,7 +69,7 @@ def main(argv=None) -> int:
         cubin = Path(tmp) / "step.cubin"
         flags = ["-O3", "-std=c++20", "-gencode=arch=compute_90,code=sm_90", "-cubin", "-Xptxas", "-v",
                  *[f"-D{k}={v}" for k, v in defines.items()]]
-        build = subprocess.run([nvcc, *flags, "-o", str(cubin), str(cuda.SOURCE)], capture_output=True,
+        build = subprocess.run([nvcc, *flags, "-o", str(cubin), str(args.source)], capture_output=True,
                                text=True, check=True)
         sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True,
                               check=True).stdout

@@ -437,8 +437,9 @@ def test_writeback_folds_pending_updates(config):
     with pytest.raises(ValueError, match="pending must be"):
         cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
                     pending=(pend_k[:, :, :, :16], pend_u))
-    with pytest.raises(ValueError, match="folded by part='writeback'"):
-        cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="fused", pending=(pend_k, pend_u))
+    with pytest.raises(ValueError, match="folds all 2"):
+        cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="fused", pending=(pend_k, pend_u),
+                    pending_append=0)
     with pytest.raises(ValueError, match="pending_count"):
         cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
                     pending=(pend_k, pend_u), pending_count=1)
@@ -449,6 +450,10 @@ def test_writeback_folds_pending_updates(config):
     with pytest.raises(ValueError, match="contiguous FP16"):
         cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
                     pending=(pend_k.float(), pend_u))
+    shifted = torch.empty(pend_k.numel() + 1, dtype=torch.float16)[1:].view(pend_k.shape)  # 2 bytes off
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
+                    pending=(shifted, pend_u))
 
 
 @pytest.mark.gpu
@@ -458,7 +463,44 @@ def test_gpu_writeback_folds_pending_updates(config):
     _pending_case(config, device="cuda", num_rows=67, shape="K128-4b")
 
 
-def _deferred_case(device: str, shape: str, num_rows: int, tokens: int = 7, every: int = 3) -> None:
+def _fused_fit_case(device: str, shape: str, num_rows: int, config: str = "fill-refit0") -> None:
+    """A deferred state's fit token in one pass (the fused step with SQ_PENDING) stores and returns exactly
+    what the split readout + writeback with the same pending updates do: y, codes and scales."""
+    for kda in (True, False):
+        fused, q_heads = _layer(shape, config, num_slots=num_rows, device=device)
+        heads, key_dim = fused.num_heads, fused.key_dim
+        all_slots = torch.arange(num_rows, dtype=torch.int32, device=device)
+        naive_pack_states(fused, all_slots, torch.randn(num_rows, heads, key_dim, 128, device=device))
+        split = clone_layer(fused)
+        slots = all_slots.flip(0).contiguous()
+        slots[1] = -1
+        inputs = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=23, device=device)
+        gen = torch.Generator().manual_seed(24)
+        pending = ((torch.randn(num_rows, heads, 3, key_dim, generator=gen) / 8).half().to(device),
+                   torch.randn(num_rows, heads, 3, 128, generator=gen).half().to(device))
+        y_fused = cuda.decode(fused.tables, fused.pages, slots, *inputs, use_qk_l2norm=True, pending=pending)
+        work = torch.zeros(num_rows, heads, 128, device=device)
+        y = cuda.decode(split.tables, split.pages, slots, *inputs, use_qk_l2norm=True, part="readout",
+                        work=work, pending=pending)
+        cuda.decode(split.tables, split.pages, slots, *inputs, use_qk_l2norm=True, out=y, part="writeback",
+                    work=work, pending=pending)
+        active = slots >= 0
+        assert torch.equal(y_fused[active], y[active])
+        assert all(torch.equal(a, b) for a, b in zip(fused.tensors(), split.tensors(), strict=True))
+
+
+def test_fused_fit_matches_the_split_fit():
+    _fused_fit_case("cpu", "K112-mixed-pivots", num_rows=3)
+
+
+@pytest.mark.gpu
+@gpu
+def test_gpu_fused_fit_matches_the_split_fit():
+    _fused_fit_case("cuda", "K128-4b", num_rows=67)
+
+
+def _deferred_case(device: str, shape: str, num_rows: int, tokens: int = 7, every: int = 3,
+                   fit: str = "fused") -> None:
     """decode_deferred (the readout every token with the pending terms, a fit every R-th) against the float
     recurrence that fits every R-th token with the layer's codec (codecs/deferred.py's format)."""
     from stepquant.kernels.decode.deferred import DeferredBuffers, decode_deferred
@@ -478,7 +520,7 @@ def _deferred_case(device: str, shape: str, num_rows: int, tokens: int = 7, ever
             q, k, v, g, beta = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=30 + t,
                                             device=device)
             y = decode_deferred(layer.tables, layer.pages, slots, q, k, v, g, beta, buffers,
-                                use_qk_l2norm=True)
+                                use_qk_l2norm=True, fit=fit)
             b_q, b_k = prepare_qk(q, k, use_qk_l2norm=True, mode="kda" if kda else "gdn")
             x, y_ref = step(state, b_q, b_k, v, g, beta)
             errors.append(rel_rms(y, y_ref))
@@ -494,11 +536,13 @@ def _deferred_case(device: str, shape: str, num_rows: int, tokens: int = 7, ever
         assert max(errors) < 1e-3, errors  # FP16 pending updates and another summation order
 
 
-def test_deferred_decode_follows_the_deferred_format():
-    _deferred_case("cpu", "K48-uniform-3578", num_rows=2)
+@pytest.mark.parametrize("fit", ["fused", "split"])
+def test_deferred_decode_follows_the_deferred_format(fit):
+    _deferred_case("cpu", "K48-uniform-3578", num_rows=2, fit=fit)
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_deferred_decode_follows_the_deferred_format():
-    _deferred_case("cuda", "K128-4b", num_rows=37, tokens=9, every=4)
+@pytest.mark.parametrize("fit", ["fused", "split"])
+def test_gpu_deferred_decode_follows_the_deferred_format(fit):
+    _deferred_case("cuda", "K128-4b", num_rows=37, tokens=9, every=4, fit=fit)

@@ -289,7 +289,8 @@ def decode(
     R - 1, K] L2-normalized, u_j [N, H, R - 1, V]) FP16 contiguous, decayed to this token, of which the first
     ``pending_count`` (default R - 1) are held. The readout adds sum_j (k.k_j) u_j to k^T S and sum_j (q.k_j)
     u_j to y, and with ``pending_append`` >= 0 stores this token's normalized k and u at that entry; the
-    writeback adds sum_j k_j u_j^T to X (every entry held: a fit).
+    writeback adds sum_j k_j u_j^T to X (every entry held: a fit). The fused step does both (a fit token in
+    one pass: every entry held, no append).
     """
     check_token_inputs(tables, pages, slots, q, k, v, g, beta)
     _check_supported(tables)
@@ -307,10 +308,10 @@ def decode(
         stride = pending[0].shape[2]
         pending_count = stride if pending_count is None else int(pending_count)
         if not 0 <= pending_count <= stride or not -1 <= pending_append < stride or (
-                part == "writeback" and (pending_count != stride or pending_append != -1)):
-            raise ValueError(f"pending_count must be in [0, {stride}] (the writeback folds all {stride}) and "
-                             f"pending_append in [-1, {stride}) (the readout only); got {pending_count}, "
-                             f"{pending_append}")
+                part != "readout" and (pending_count != stride or pending_append != -1)):
+            raise ValueError(f"pending_count must be in [0, {stride}] (a fit, part={part!r}, folds all "
+                             f"{stride}) and pending_append in [-1, {stride}) (the readout only); got "
+                             f"{pending_count}, {pending_append}")
     elif pending_count or pending_append != -1:
         raise ValueError("pending_count and pending_append need pending=(k_j, u_j)")
     q, k, v, g, beta = (_as_input(t, device) for t in (q, k, v, g, beta))
@@ -329,9 +330,6 @@ def decode(
 
 
 def _check_pending(pending, part: str, num_rows: int, tables: FormatTables, device) -> tuple:
-    if part not in ("readout", "writeback"):
-        raise ValueError(f"pending updates are read by part='readout' and folded by part='writeback', not "
-                         f"{part!r}")
     pend_k, pend_u = pending
     heads = tables.num_heads
     if (pend_k.dim() != 4 or pend_k.shape[:2] != (num_rows, heads) or pend_k.shape[3] != tables.key_dim
@@ -342,6 +340,9 @@ def _check_pending(pending, part: str, num_rows: int, tables: FormatTables, devi
     if any(t.dtype != torch.float16 or not t.is_contiguous() or t.device != device for t in (pend_k, pend_u)):
         raise ValueError("pending k_j and u_j must be contiguous FP16 tensors on the layer's device (the "
                          "readout writes into them)")
+    if any(t.data_ptr() % 16 for t in (pend_k, pend_u)):  # the writeback copies them in 16-byte chunks
+        raise ValueError("pending k_j and u_j must start at a 16-byte aligned address (a view at an offset "
+                         "is not; allocate them on their own, as DeferredBuffers.empty does)")
     return pend_k, pend_u
 
 

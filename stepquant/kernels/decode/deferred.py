@@ -10,8 +10,9 @@ S = e^{g_sum} . dequant(codes) + sum_j k_j u_j^T. One token, every row of the ba
     readout part (SQ_PENDING) with gate g_sum:  u = beta (v - S^T k), y = S^T q + (k . q) u, where S^T k
         and S^T q take the pending terms sum_j (k . k_j) u_j, sum_j (q . k_j) u_j (warp reductions of the
         dots, then one FP16 load per pending update and column); it appends this token's (k, u) in FP16
-    the R-th token: no append; the writeback part (SQ_PENDING) adds sum_j k_j u_j^T to X and fits the codes
-        with gate g_sum; the buffers are reset
+    the R-th token: the fused step (SQ_PENDING) in one pass: the readout's terms, no append, then
+        sum_j k_j u_j^T added to X and the codes fitted with gate g_sum (fit="split": the readout part, then
+        the writeback part from its u, the first versions' way); the buffers are reset
 
 (The first version, 496bde0, computed the pending terms as batched torch ops around the plain readout: 2-3x
 the readout's own time; docs/kernels.md, "Deferred fitting".)
@@ -57,10 +58,12 @@ class DeferredBuffers:
 
 def decode_deferred(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta,
                     buffers: DeferredBuffers, *, scale: float | None = None, use_qk_l2norm: bool = False,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, fit: str = "fused") -> torch.Tensor:
     """One decode token on deferred packed states (CUDA kernel parts); y [N, H, V]. Fits (writes the slots)
     when ``buffers`` already holds R - 1 pending updates, else appends this token's. Inputs as
-    cuda.decode's."""
+    cuda.decode's; fit: "fused" (one pass) or "split" (readout, then writeback)."""
+    if fit not in ("fused", "split"):
+        raise ValueError(f"fit must be 'fused' or 'split', got {fit!r}")
     kda = g.dim() == 3
     if buffers.g_sum.shape != g.shape:
         raise ValueError(f"buffers were made for g of shape {list(buffers.g_sum.shape)}, got {list(g.shape)}")
@@ -72,15 +75,18 @@ def decode_deferred(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, 
             buffers.pend_k[:, :, :age].mul_(torch.exp(g)[:, :, None, :])
         else:
             buffers.pend_u[:, :, :age].mul_(torch.exp(g)[:, :, None, None])
-    fit = age == buffers.every - 1
+    fits = age == buffers.every - 1
     pending = (buffers.pend_k, buffers.pend_u)
-    work = torch.empty(v.shape, dtype=torch.float32, device=buffers.g_sum.device) if fit else None
+    one_pass = fits and fit == "fused"
+    split = fits and not one_pass
+    work = torch.empty(v.shape, dtype=torch.float32, device=buffers.g_sum.device) if split else None
     y = cuda.decode(tables, pages, slots, q, k, v, buffers.g_sum, beta, scale=scale,
-                    use_qk_l2norm=use_qk_l2norm, out=out, part="readout", work=work, pending=pending,
-                    pending_count=age, pending_append=-1 if fit else age)
-    if fit:
+                    use_qk_l2norm=use_qk_l2norm, out=out, part="fused" if one_pass else "readout", work=work,
+                    pending=pending, pending_count=age, pending_append=-1 if fits else age)
+    if work is not None:
         cuda.decode(tables, pages, slots, q, k, v, buffers.g_sum, beta, scale=scale,
                     use_qk_l2norm=use_qk_l2norm, out=y, part="writeback", work=work, pending=pending)
+    if fits:
         buffers.clear()
     else:
         buffers.age = age + 1

@@ -25,6 +25,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #endif
+#include <stddef.h>
 #include <stdint.h>
 
 #ifndef SQ_PART
@@ -66,13 +67,13 @@
 #endif
 #ifndef SQ_PENDING
 #define SQ_PENDING 0  // 1: a deferred state's pending rank-1 updates (pend_k, pend_u): the readout adds their terms
-                      // to u and y (and appends this token's k, u), the writeback adds them to X
+                      // to u and y (the readout part also appends this token's k, u), the fit adds them to X
 #endif
 #ifndef SQ_ITEMS
 #define SQ_ITEMS 1  // tuning: batch rows per CTA (one head); > 1 stages the next row's inputs while one computes
 #endif
 static_assert(!SQ_ROW_FILL || (SQ_DUAL && SQ_RECIP), "row fill is defined for the reciprocal dual-axis fit");
-static_assert(!SQ_PENDING || SQ_PART == 1 || SQ_PART == 2, "pending updates: the readout and the writeback parts");
+static_assert(!SQ_PENDING || SQ_PART != 3, "pending updates: the fused step, the readout and the writeback");
 
 // The launch arguments (cuda.py builds the same struct with ctypes). Outside the anonymous namespace:
 // a function taking a type of internal linkage gets internal linkage too, and ctypes could not find
@@ -144,8 +145,8 @@ static_assert(SQ_ITEMS >= 1 && SQ_ITEMS <= 32, "SQ_ITEMS: 1 to 32 batch rows per
 
 
 
-constexpr int STAGE_WORDS = MAX_K * V / 2;
-constexpr int MAX_PENDING = 15;  // SQ_PENDING: held updates per (row, head), R - 1 (cuda.MAX_PENDING)  // a head of FP16 pivot rows: 128 rows x 64 words (32 KB)
+constexpr int STAGE_WORDS = MAX_K * V / 2;  // a head of FP16 pivot rows: 128 rows x 64 words (32 KB)
+constexpr int MAX_PENDING = 15;  // SQ_PENDING: held updates per (row, head), R - 1 (cuda.MAX_PENDING)
 
 // The scratch buffer (it shares its memory with the stage) holds, one after another, the row partials of
 // step 3 [warp][lane][pad] at 0, the column maxima of step 4 [warp][V] at COLMAX_AT and the refit sums of
@@ -171,7 +172,7 @@ struct Shared {
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
     float red[12];
     int item_slot[SQ_ITEMS];  // the slots of the CTA's batch rows (STAGED)
-    float pdot[SQ_PENDING && SQ_PART == 1 ? 4 * 2 * MAX_PENDING : 1];  // [row warp][k or q][j]: k.k_j, q.k_j
+    float pdot[SQ_PENDING && DO_READOUT ? 4 * 2 * MAX_PENDING : 1];  // [row warp][k or q][j]: k.k_j, q.k_j
     alignas(16) float readout[OWN_READOUT_BUFFER ? 2 * NUM_WARPS * V : 1];  // readout partials [k or q][warp][V]
     union {  // STAGED: both live in the staging buffers (below) instead
         uint4 stage[STAGED ? 1 : STAGE_WORDS / 4];  // the head's code words (step 1)
@@ -192,7 +193,12 @@ struct Staged {
     uint4 rs[16], cs[16]; // [K], [V] FP16 old row and column scales
     uint32_t beta_word, g_word, pad[2];  // the words holding beta and a GDN head's gate
     uint4 codes[STAGE_WORDS / 4];
+    // SQ_PENDING: the held updates, FP16 [R - 1][K] k_j and [R - 1][V] u_j, after the codes: outside the
+    // scratch of steps 3-5, which other warps write while one still folds
+    uint4 pend_k[SQ_PENDING ? MAX_PENDING * MAX_K / 8 : 1];
+    uint4 pend_u[SQ_PENDING ? MAX_PENDING * V / 8 : 1];
 };
+static_assert(!SQ_PENDING || offsetof(Staged, pend_k) >= 4 * SCRATCH, "pending updates outside the scratch");
 constexpr int STAGE_BUFFER = sizeof(Staged) > 4 * SCRATCH ? int(sizeof(Staged)) : 4 * SCRATCH;  // bytes
 static_assert(STAGE_BUFFER % 16 == 0, "16-byte copies");
 constexpr int STAGED_BYTES = STAGED ? 2 * STAGE_BUFFER : 0;  // dynamic shared memory per CTA
@@ -531,7 +537,8 @@ template <int KIND>
 __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&x)[ROWS][COLS],
                                            const bool (&row_pivot)[ROWS], const float (&c_old)[COLS],
                                            float fk, long long nh, int* slot_codes, long long rs_base,
-                                           long long cs_base, bool has_scales, int4 head, float* scratch) {
+                                           long long cs_base, bool has_scales, int4 head, float* scratch,
+                                           const __half* pend_k, const __half* pend_u) {
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int K = p.K;
     const int row0 = warp * ROWS;
@@ -549,13 +556,12 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
             for (int r = 0; r < ROWS; ++r) form_x(sm, x[r], row_pivot[r], c_old, u, row0 + r);
             if (row0 < K) {
                 for (int j = 0; j < p.pend_n; ++j) {
-                    const long long at = nh * p.pend_stride + j;
                     // FP16 pairs read as __half2 from memory (no type punning of registers: the emulation
                     // build's C++ would not see through it)
-                    const __half2* u2 = reinterpret_cast<const __half2*>(p.pend_u + at * V + 4 * lane);
+                    const __half2* u2 = reinterpret_cast<const __half2*>(pend_u + j * V + 4 * lane);
                     const float2 lo = __half22float2(u2[0]), hi = __half22float2(u2[1]);
                     const float uj[COLS] = {lo.x, lo.y, hi.x, hi.y};
-                    const __half2* k2 = reinterpret_cast<const __half2*>(p.pend_k + at * K + row0);  // ROWS halves
+                    const __half2* k2 = reinterpret_cast<const __half2*>(pend_k + j * K + row0);  // ROWS halves
 #pragma unroll
                     for (int m = 0; m < ROWS / 2; ++m) {
                         const float2 kk = __half22float2(k2[m]);
@@ -852,6 +858,12 @@ __device__ void stage_row(const Params& p, Staged& in, int n, int h, long long s
     } else if (warp == 5) {
         if (lane == 0 && DO_READOUT) cp_async<4>(&in.beta_word, word_of(p.beta, nh, p.bf16_mask & 16));
         if (lane == 1 && !SQ_KDA) cp_async<4>(&in.g_word, word_of(p.g, nh, p.bf16_mask & 8));
+    } else if (SQ_PENDING && (warp == 6 || warp == 7)) {  // the held updates: warp 6 the k_j, warp 7 the u_j
+        const int width = warp == 6 ? K : V;
+        const __half* src = (warp == 6 ? p.pend_k : p.pend_u) + nh * p.pend_stride * width;
+        uint4* dst = warp == 6 ? in.pend_k : in.pend_u;
+#pragma unroll 1
+        for (int c = lane; c < p.pend_n * width / 8; c += 32) cp_async<16>(dst + c, src + 8 * c);
     }
 }
 
@@ -872,6 +884,17 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     const int row0 = warp * ROWS;  // this warp's first key row
     // where row i starts, in words from the head's first word (heads of one width: a fixed stride)
     auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
+    // SQ_PENDING: the held updates of (n, h), [pend_n][K] k_e and [pend_n][V] u_e, as stage_row copied them
+    // (STAGED), else in global memory
+    const __half* pend_k = nullptr;
+    const __half* pend_u = nullptr;
+    if constexpr (SQ_PENDING && STAGED) {
+        pend_k = reinterpret_cast<const __half*>(in->pend_k);
+        pend_u = reinterpret_cast<const __half*>(in->pend_u);
+    } else if constexpr (SQ_PENDING) {
+        pend_k = p.pend_k + nh * p.pend_stride * K;
+        pend_u = p.pend_u + nh * p.pend_stride * V;
+    }
 
     // ---- 0. every global input of the step is loaded here, before the first barrier, so that the CTA
     // waits on global memory once (STAGED: on none; the inputs were copied while the previous row computed).
@@ -933,11 +956,16 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         sm.row[i] = make_float4(a * k_i, a * q_i, a, k_i);
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
-        if constexpr (SQ_PENDING && SQ_PART == READOUT) {  // k . k_j and q . k_j before the norms of k and q
-#pragma unroll 1
-            for (int e = 0; e < p.pend_n; ++e) {
-                const float kj = i < K ? __half2float(p.pend_k[(nh * p.pend_stride + e) * K + i]) : 0.f;
-                const float dk = warp_sum(k_i * kj), dq = warp_sum(q_i * kj);
+        if constexpr (SQ_PENDING && DO_READOUT) {  // k . k_e and q . k_e before the norms of k and q
+            // every held k_e[i] first (predicated loads, one round trip to memory), then the reductions
+            float kj[MAX_PENDING];
+#pragma unroll
+            for (int e = 0; e < MAX_PENDING; ++e)
+                kj[e] = e < p.pend_n && i < K ? __half2float(pend_k[e * K + i]) : 0.f;
+#pragma unroll
+            for (int e = 0; e < MAX_PENDING; ++e) {
+                if (e >= p.pend_n) break;
+                const float dk = warp_sum(k_i * kj[e]), dq = warp_sum(q_i * kj[e]);
                 if (lane == 0) { sm.pdot[(warp * 2) * MAX_PENDING + e] = dk; sm.pdot[(warp * 2 + 1) * MAX_PENDING + e] = dq; }
             }
         }
@@ -1039,13 +1067,21 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     // ---- 2. u and y: threads 128..255 sum k^T D S and compute u (they hold v and beta), threads 0..127
     // sum q^T D S and store y once u is there
     if constexpr (DO_READOUT) {
+        const int j = tid & (V - 1);
+        // SQ_PENDING: every held u_e[j] loaded from global memory here, in flight across the barrier (one
+        // round trip; STAGED: read from the staging buffer where they are used)
+        constexpr bool HOIST_U = SQ_PENDING && !STAGED;
+        float ue[HOIST_U ? MAX_PENDING : 1];
+        if constexpr (HOIST_U) {
+#pragma unroll
+            for (int e = 0; e < MAX_PENDING; ++e) ue[e] = e < p.pend_n ? __half2float(pend_u[e * V + j]) : 0.f;
+        }
         float* part = OWN_READOUT_BUFFER ? sm.readout : scratch;  // [k or q][NUM_WARPS][V]
 #pragma unroll
         for (int a = 0; a < 2; ++a)
             *reinterpret_cast<float4*>(&part[(a * NUM_WARPS + warp) * V + 4 * lane]) =
                 make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]);
         __syncthreads();
-        const int j = tid & (V - 1);
         float qds = 0.f;  // q^T (D S)_j (threads 0..127)
         if (tid < 2 * V) {
             const int a = tid < V ? 1 : 0;
@@ -1053,14 +1089,15 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
 #pragma unroll
             for (int w = 0; w < NUM_WARPS; ++w) s += part[(a * NUM_WARPS + w) * V + j];
             float ds = __fmul_rn(sm.col[0][j], s) * (a ? fq : fk);  // the norms, after the sums
-            if constexpr (SQ_PENDING && SQ_PART == READOUT) {  // + sum_e (k.k_e or q.k_e) u_e[j]
-#pragma unroll 1
-                for (int e = 0; e < p.pend_n; ++e) {
+            if constexpr (SQ_PENDING) {  // + sum_e (k.k_e or q.k_e) u_e[j]
+#pragma unroll
+                for (int e = 0; e < MAX_PENDING; ++e) {
+                    if (e >= p.pend_n) break;
                     float d = 0.f;
 #pragma unroll
                     for (int w = 0; w < 4; ++w) d += sm.pdot[(w * 2 + a) * MAX_PENDING + e];
-                    const float ue = __half2float(p.pend_u[(nh * p.pend_stride + e) * V + j]);
-                    ds = __fmaf_rn(d * (a ? fq : fk), ue, ds);
+                    const float u_e = HOIST_U ? ue[HOIST_U ? e : 0] : __half2float(pend_u[e * V + j]);
+                    ds = __fmaf_rn(d * (a ? fq : fk), u_e, ds);
                 }
             }
             if (a) {
@@ -1086,7 +1123,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     }
     if constexpr (DO_WRITEBACK) {
         requantize<KIND>(p, sm, x, row_pivot, c_old, fk, nh, slot_codes, rs_base, cs_base, has_scales, head,
-                         scratch);
+                         scratch, pend_k, pend_u);
     }
 }
 
