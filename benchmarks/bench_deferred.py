@@ -9,13 +9,14 @@ refit; synthetic plans shaped like the shipped ones, as bench_decode.py's):
 - "per-token fused": the shipped step (R = 1), for reference; "readout alone": the split readout;
 - "deferred R": a cycle of R tokens (R - 1 readouts with the pending updates, then one fit) divided by R:
   the mean per-token cost; "readout token" / "fit token": the two kinds of token alone (R - 2 and R - 1
-  pending updates); the fit in one pass (the fused step with the pending updates), and "[split fit]" as
-  the readout then the writeback;
+  pending updates); one launch per token (the kernel sums the gate and decays the held updates; the fit in
+  one pass, the fused step with the pending updates); "[split fit]": the fit as the readout then the
+  writeback; "[torch gates]": the gate sum and the decay as torch ops before the kernel (b866649's way);
 - fla's own FP32 step in the same run; at batches up to --graph-below, fla, the fused step and a deferred
   cycle also replayed from a CUDA graph ("[graph]": the GPU time without Python's launch overhead);
-- with ``--source NAME=PATH`` (repeatable), the deferred rows with the split fit also for that version of
-  packed_step.cu ("[NAME]"), timed right after the current source's on the same slots: a kernel change is
-  judged within one run (the Params struct must be the same).
+- with ``--source NAME=PATH`` (repeatable), the deferred rows with the split fit and torch gates also for
+  that version of packed_step.cu ("[NAME]"), timed right after the current source's on the same slots: a
+  kernel change is judged within one run (its Params struct must be this version's).
 
 Every time is triton.testing.do_bench's median (L2 flushed before every call; slots rotate over a pool
 several times the L2 size). Before timing, the deferred step is checked at the real shape against the
@@ -177,36 +178,40 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
                 buffers = [DeferredBuffers.empty(layer.tables, batch, every, kda) for _ in slot_groups]
                 pairs = list(zip(slot_groups, buffers, strict=True))
 
-                def cycle(pair, fit, every=every, t=tensors, x=inputs):
+                def cycle(pair, way, every=every, t=tensors, x=inputs):
                     for _ in range(every):
-                        decode_deferred(*t, pair[0], *x, pair[1], use_qk_l2norm=True, fit=fit)
+                        decode_deferred(*t, pair[0], *x, pair[1], use_qk_l2norm=True, fit=way[0],
+                                        gates=way[1])
 
-                def token(pair, age, fit, t=tensors, x=inputs):
+                def token(pair, age, way, t=tensors, x=inputs):
                     pair[1].age = age  # R - 2: the last readout-only token of a cycle; R - 1: a fit
-                    decode_deferred(*t, pair[0], *x, pair[1], use_qk_l2norm=True, fit=fit)
+                    decode_deferred(*t, pair[0], *x, pair[1], use_qk_l2norm=True, fit=way[0],
+                                    gates=way[1])
                     pair[1].clear()
 
                 deferred_extra = dict(extra, every=every, bits_per_value=extra["bits_per_value"]
                                       + buffer_bits_per_value(every, bd.KEY_DIM, bd.VALUE_DIM))
-                versions = [("", cuda.SOURCE, "fused"), (" [split fit]", cuda.SOURCE, "split"),
-                            *((f" [{source}]", path, "split") for source, path in args.sources.items()
-                              if source != "current")]
-                for tag, path, fit in versions:
+                versions = [("", cuda.SOURCE, ("fused", "kernel")),  # (tag, source, (fit, gates))
+                            (" [split fit]", cuda.SOURCE, ("split", "kernel")),
+                            (" [torch gates]", cuda.SOURCE, ("fused", "torch")),
+                            *((f" [{source}]", path, ("split", "torch"))
+                              for source, path in args.sources.items() if source != "current")]
+                for tag, path, way in versions:
                     row = f"deferred R={every} ({label}), " + "{}" + tag
                     try:
                         with using_source(path):
-                            ms = bd.bench(bd.rotating(lambda p, f=fit: cycle(p, f), pairs), args.warmup,
+                            ms = bd.bench(bd.rotating(lambda p, w=way: cycle(p, w), pairs), args.warmup,
                                           args.rep) / every
                             rec.add(name, row.format("per token"), bits, batch, ms, moved, **deferred_extra)
                             if graphs:  # a captured cycle of R tokens (each ends with a fit: the ages repeat)
-                                ms = bd.bench_graph(lambda p, f=fit: cycle(p, f), pairs, args.warmup,
+                                ms = bd.bench_graph(lambda p, w=way: cycle(p, w), pairs, args.warmup,
                                                     args.rep) / every
                                 rec.add(name, row.format("per token") + " [graph]", bits, batch, ms, moved,
                                         **deferred_extra)
                             for kind, age in (("readout token", every - 2), ("fit token", every - 1)):
                                 if kind == "readout token" and tag == " [split fit]":
                                     continue  # the same readout as the one-pass fit's
-                                ms = bd.bench(bd.rotating(lambda p, a=age, f=fit: token(p, a, f), pairs),
+                                ms = bd.bench(bd.rotating(lambda p, a=age, w=way: token(p, a, w), pairs),
                                               args.warmup, args.rep)
                                 rec.add(name, row.format(kind), bits, batch, ms, moved, **deferred_extra)
                     except Exception:

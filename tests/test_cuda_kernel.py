@@ -500,7 +500,7 @@ def test_gpu_fused_fit_matches_the_split_fit():
 
 
 def _deferred_case(device: str, shape: str, num_rows: int, tokens: int = 7, every: int = 3,
-                   fit: str = "fused") -> None:
+                   fit: str = "fused", gates: str = "kernel") -> None:
     """decode_deferred (the readout every token with the pending terms, a fit every R-th) against the float
     recurrence that fits every R-th token with the layer's codec (codecs/deferred.py's format)."""
     from stepquant.kernels.decode.deferred import DeferredBuffers, decode_deferred
@@ -519,8 +519,19 @@ def _deferred_case(device: str, shape: str, num_rows: int, tokens: int = 7, ever
         for t in range(tokens):
             q, k, v, g, beta = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=30 + t,
                                             device=device)
+            age = buffers.age
+            # what the kernel (or torch) must leave: the gate sum carried on, the held updates decayed by e^g
+            gate_sum = buffers.g_sum + g.float()
+            decay = torch.exp(g.float())[:, :, None, :] if kda else torch.exp(g.float())[:, :, None, None]
+            held = (buffers.pend_k if kda else buffers.pend_u)[:, :, :age]
+            decayed = (held.float() * decay).half()
             y = decode_deferred(layer.tables, layer.pages, slots, q, k, v, g, beta, buffers,
-                                use_qk_l2norm=True, fit=fit)
+                                use_qk_l2norm=True, fit=fit, gates=gates)
+            if buffers.age:  # a readout token
+                assert torch.equal(buffers.g_sum, gate_sum)
+                torch.testing.assert_close(held, decayed, rtol=2e-3, atol=1e-6)  # e^g: expf against torch.exp
+            else:
+                assert not buffers.g_sum.any()
             b_q, b_k = prepare_qk(q, k, use_qk_l2norm=True, mode="kda" if kda else "gdn")
             x, y_ref = step(state, b_q, b_k, v, g, beta)
             errors.append(rel_rms(y, y_ref))
@@ -536,13 +547,16 @@ def _deferred_case(device: str, shape: str, num_rows: int, tokens: int = 7, ever
         assert max(errors) < 1e-3, errors  # FP16 pending updates and another summation order
 
 
-@pytest.mark.parametrize("fit", ["fused", "split"])
-def test_deferred_decode_follows_the_deferred_format(fit):
-    _deferred_case("cpu", "K48-uniform-3578", num_rows=2, fit=fit)
+DEFERRED_PATHS = [("fused", "kernel"), ("split", "kernel"), ("fused", "torch"), ("split", "torch")]
+
+
+@pytest.mark.parametrize(("fit", "gates"), DEFERRED_PATHS)
+def test_deferred_decode_follows_the_deferred_format(fit, gates):
+    _deferred_case("cpu", "K48-uniform-3578", num_rows=2, fit=fit, gates=gates)
 
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("fit", ["fused", "split"])
-def test_gpu_deferred_decode_follows_the_deferred_format(fit):
-    _deferred_case("cuda", "K128-4b", num_rows=37, tokens=9, every=4, fit=fit)
+@pytest.mark.parametrize(("fit", "gates"), DEFERRED_PATHS)
+def test_gpu_deferred_decode_follows_the_deferred_format(fit, gates):
+    _deferred_case("cuda", "K128-4b", num_rows=37, tokens=9, every=4, fit=fit, gates=gates)

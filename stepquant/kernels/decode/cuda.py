@@ -81,7 +81,7 @@ class _Params(ctypes.Structure):
         ("H", ctypes.c_int), ("HQ", ctypes.c_int), ("K", ctypes.c_int), ("num_scaled", ctypes.c_int),
         ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int), ("pend_n", ctypes.c_int),
         ("pend_k", ctypes.c_void_p), ("pend_u", ctypes.c_void_p), ("pend_stride", ctypes.c_int),
-        ("pend_append", ctypes.c_int)]
+        ("pend_append", ctypes.c_int), ("pend_gate", ctypes.c_void_p)]
 
 
 def nvcc_path() -> str | None:
@@ -200,7 +200,8 @@ def _aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta, y, x_in, *, part: str,
            scale: float, use_qk_l2norm: bool, work: torch.Tensor | None = None,
            debug: dict | None = None, pending: tuple[torch.Tensor, torch.Tensor] | None = None,
-           pending_count: int = 0, pending_append: int = -1) -> None:
+           pending_count: int = 0, pending_append: int = -1,
+           pending_gate: torch.Tensor | None = None) -> None:
     """One launch for every head of the layer (grid N x H); inputs already checked and contiguous FP32."""
     kda = g is not None and g.dim() == 3
     device = tables.device
@@ -235,7 +236,8 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
         bf16_mask=sum(1 << i for i, t in enumerate((q, k, v, g, beta, y))
                       if t is not None and t.dtype == torch.bfloat16),
         pend_n=pending_count, pend_k=_ptr(pend_k), pend_u=_ptr(pend_u),
-        pend_stride=0 if pend_k is None else pend_k.shape[2], pend_append=pending_append)
+        pend_stride=0 if pend_k is None else pend_k.shape[2], pend_append=pending_append,
+        pend_gate=_ptr(pending_gate))
     stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
     status = lib.sq_packed_step(ctypes.byref(p), num_rows, device.index or 0, ctypes.c_void_p(stream))
     if status != 0:
@@ -278,6 +280,7 @@ def decode(
     pending: tuple[torch.Tensor, torch.Tensor] | None = None,
     pending_count: int | None = None,
     pending_append: int = -1,
+    pending_gate: torch.Tensor | None = None,
     debug: dict | None = None,
 ) -> torch.Tensor:
     """One decode token on packed states, in place; the signature of fused.fused_decode.
@@ -291,6 +294,11 @@ def decode(
     u_j to y, and with ``pending_append`` >= 0 stores this token's normalized k and u at that entry; the
     writeback adds sum_j k_j u_j^T to X (every entry held: a fit). The fused step does both (a fit token in
     one pass: every entry held, no append).
+    pending_gate: with ``pending`` on the readout or the fused step, the log decay summed since the last fit
+    (FP32, g's shape, in place), g then being this token's alone: the codes decay by e^(pending_gate + g) and
+    the held updates by e^g (KDA's k_j, GDN's u_j, in FP16). The readout stores pending_gate + g and the
+    decayed updates back; the fused step (a fit) stores 0. Without it the held updates are taken as decayed
+    to this token and g as the codes' whole decay.
     """
     check_token_inputs(tables, pages, slots, q, k, v, g, beta)
     _check_supported(tables)
@@ -312,8 +320,10 @@ def decode(
             raise ValueError(f"pending_count must be in [0, {stride}] (a fit, part={part!r}, folds all "
                              f"{stride}) and pending_append in [-1, {stride}) (the readout only); got "
                              f"{pending_count}, {pending_append}")
-    elif pending_count or pending_append != -1:
-        raise ValueError("pending_count and pending_append need pending=(k_j, u_j)")
+        if pending_gate is not None:
+            _check_pending_gate(pending_gate, part, g, device)
+    elif pending_count or pending_append != -1 or pending_gate is not None:
+        raise ValueError("pending_count, pending_append and pending_gate need pending=(k_j, u_j)")
     q, k, v, g, beta = (_as_input(t, device) for t in (q, k, v, g, beta))
     slots = slots.to(device, torch.int32).contiguous()
     direct = out is not None and (part == "writeback" or _as_input(out, device) is out)
@@ -321,7 +331,7 @@ def decode(
     scale = tables.key_dim**-0.5 if scale is None else float(scale)
     launch(tables, pages, slots, q, k, v, g, beta, result, None, part=part, scale=scale,
            use_qk_l2norm=use_qk_l2norm, work=work, debug=debug, pending=pending,
-           pending_count=pending_count or 0, pending_append=pending_append)
+           pending_count=pending_count or 0, pending_append=pending_append, pending_gate=pending_gate)
     if out is not None and result is not out:
         active = slots >= 0
         out[active] = result[active].to(out.dtype)
@@ -344,6 +354,17 @@ def _check_pending(pending, part: str, num_rows: int, tables: FormatTables, devi
         raise ValueError("pending k_j and u_j must start at a 16-byte aligned address (a view at an offset "
                          "is not; allocate them on their own, as DeferredBuffers.empty does)")
     return pend_k, pend_u
+
+
+def _check_pending_gate(gate: torch.Tensor, part: str, g: torch.Tensor, device) -> None:
+    if part == "writeback":
+        raise ValueError("pending_gate is carried by the readout and the fused step; the writeback after a "
+                         "readout takes the summed gate the readout stored as g")
+    if (gate.shape != g.shape or gate.dtype != torch.float32 or not gate.is_contiguous()
+            or gate.device != device or gate.data_ptr() % 16):
+        raise ValueError(f"pending_gate must be a contiguous, 16-byte aligned FP32 tensor of g's shape "
+                         f"{list(g.shape)} on the layer's device (the kernel writes it); got "
+                         f"{list(gate.shape)} {gate.dtype} on {gate.device}")
 
 
 def pack(tables: FormatTables, pages: Pages, slots: torch.Tensor, states: torch.Tensor, *,

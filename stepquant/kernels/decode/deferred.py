@@ -6,16 +6,17 @@ decay accumulated since that fit (GDN [N, H], KDA [N, H, K], FP32) and the updat
 kept decayed to the last token (GDN scales u_j by each token's gate, KDA k_j by its per-row gates), so
 S = e^{g_sum} . dequant(codes) + sum_j k_j u_j^T. One token, every row of the batch on the same cadence:
 
-    g_sum += g;  pending decayed by g                                        (two small torch ops)
-    readout part (SQ_PENDING) with gate g_sum:  u = beta (v - S^T k), y = S^T q + (k . q) u, where S^T k
-        and S^T q take the pending terms sum_j (k . k_j) u_j, sum_j (q . k_j) u_j (warp reductions of the
-        dots, then one FP16 load per pending update and column); it appends this token's (k, u) in FP16
-    the R-th token: the fused step (SQ_PENDING) in one pass: the readout's terms, no append, then
-        sum_j k_j u_j^T added to X and the codes fitted with gate g_sum (fit="split": the readout part, then
-        the writeback part from its u, the first versions' way); the buffers are reset
+    readout part (SQ_PENDING, pending_gate): g_sum += g and the held updates decayed by e^g (both stored
+        back), then with gate g_sum: u = beta (v - S^T k), y = S^T q + (k . q) u, where S^T k and S^T q take
+        the pending terms sum_j (k . k_j) u_j, sum_j (q . k_j) u_j (warp reductions of the dots, then one
+        FP16 load per pending update and column); it appends this token's (k, u) in FP16
+    the R-th token: the fused step (SQ_PENDING, pending_gate) in one pass: the same, no append, then sum_j
+        k_j u_j^T added to X, the codes fitted with gate g_sum, and g_sum stored as 0 (fit="split": the
+        readout part, then the writeback part from its u, the first versions' way)
 
-(The first version, 496bde0, computed the pending terms as batched torch ops around the plain readout: 2-3x
-the readout's own time; docs/kernels.md, "Deferred fitting".)
+One launch per token. (The first version, 496bde0, computed the pending terms as batched torch ops around the
+plain readout: 2-3x the readout's own time; the second, b866649, kept the gate sum and the decay as two torch
+ops, gates="torch"; docs/kernels.md, "Deferred fitting".)
 """
 
 from __future__ import annotations
@@ -58,36 +59,46 @@ class DeferredBuffers:
 
 def decode_deferred(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta,
                     buffers: DeferredBuffers, *, scale: float | None = None, use_qk_l2norm: bool = False,
-                    out: torch.Tensor | None = None, fit: str = "fused") -> torch.Tensor:
+                    out: torch.Tensor | None = None, fit: str = "fused",
+                    gates: str = "kernel") -> torch.Tensor:
     """One decode token on deferred packed states (CUDA kernel parts); y [N, H, V]. Fits (writes the slots)
     when ``buffers`` already holds R - 1 pending updates, else appends this token's. Inputs as
-    cuda.decode's; fit: "fused" (one pass) or "split" (readout, then writeback)."""
-    if fit not in ("fused", "split"):
-        raise ValueError(f"fit must be 'fused' or 'split', got {fit!r}")
-    kda = g.dim() == 3
+    cuda.decode's. fit: "fused" (one pass) or "split" (readout, then writeback). gates: "kernel" (the
+    kernel sums the gate and decays the held updates: one launch per token) or "torch" (two small torch ops
+    before it, the first versions' way). Every batch row is on the same cadence: a row skipped (slot -1)
+    within a cycle loses its deferred state."""
+    if fit not in ("fused", "split") or gates not in ("kernel", "torch"):
+        raise ValueError(f"fit must be 'fused' or 'split' and gates 'kernel' or 'torch', got {fit!r}, "
+                         f"{gates!r}")
     if buffers.g_sum.shape != g.shape:
         raise ValueError(f"buffers were made for g of shape {list(buffers.g_sum.shape)}, got {list(g.shape)}")
-    g = g.to(buffers.g_sum.device, torch.float32)
-    buffers.g_sum += g
     age = buffers.age
-    if age:  # decay the pending updates to this token: KDA's k_j by its per-row gates, GDN's u_j by its gate
-        if kda:
-            buffers.pend_k[:, :, :age].mul_(torch.exp(g)[:, :, None, :])
-        else:
-            buffers.pend_u[:, :, :age].mul_(torch.exp(g)[:, :, None, None])
+    gate, gate_sum = g, buffers.g_sum  # this token's gate for the kernel, and the sum it carries on
+    if gates == "torch":
+        g = g.to(buffers.g_sum.device, torch.float32)
+        buffers.g_sum += g
+        if age:  # the held updates decayed to this token: KDA's k_j by its row gates, GDN's u_j by its gate
+            if g.dim() == 3:
+                buffers.pend_k[:, :, :age].mul_(torch.exp(g)[:, :, None, :])
+            else:
+                buffers.pend_u[:, :, :age].mul_(torch.exp(g)[:, :, None, None])
+        gate, gate_sum = buffers.g_sum, None
     fits = age == buffers.every - 1
     pending = (buffers.pend_k, buffers.pend_u)
     one_pass = fits and fit == "fused"
     split = fits and not one_pass
     work = torch.empty(v.shape, dtype=torch.float32, device=buffers.g_sum.device) if split else None
-    y = cuda.decode(tables, pages, slots, q, k, v, buffers.g_sum, beta, scale=scale,
+    y = cuda.decode(tables, pages, slots, q, k, v, gate, beta, scale=scale,
                     use_qk_l2norm=use_qk_l2norm, out=out, part="fused" if one_pass else "readout", work=work,
-                    pending=pending, pending_count=age, pending_append=-1 if fits else age)
-    if work is not None:
+                    pending=pending, pending_count=age, pending_append=-1 if fits else age,
+                    pending_gate=gate_sum)
+    if split:  # the readout stored the summed gate (gates="kernel") and decayed the held updates
         cuda.decode(tables, pages, slots, q, k, v, buffers.g_sum, beta, scale=scale,
                     use_qk_l2norm=use_qk_l2norm, out=y, part="writeback", work=work, pending=pending)
-    if fits:
+    if fits and (split or gates == "torch"):
         buffers.clear()
+    elif fits:
+        buffers.age = 0  # the fused fit stored a zero gate sum
     else:
         buffers.age = age + 1
     return y

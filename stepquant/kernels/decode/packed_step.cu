@@ -110,6 +110,10 @@ struct Params {
     __half* pend_u;         // [N, H, pend_stride, V] FP16 u_j
     int pend_stride;        // entries per (row, head): R - 1 (codecs/deferred.py)
     int pend_append;        // the readout stores this token's k (normalized) and u at this entry; -1: none
+    float* pend_gate;       // SQ_PENDING, or null: [N, H] (GDN) or [N, H, K] (KDA) FP32, the log decay summed
+                            // since the fit, g then being this token's: the codes decay by e^(pend_gate + g),
+                            // the held updates by e^g (KDA's k_e, GDN's u_e, FP16 rounded); the readout writes
+                            // pend_gate + g back and the held updates decayed, the fused fit writes 0
 };
 
 namespace {
@@ -171,6 +175,7 @@ struct Shared {
     int rinfo[MAX_K];         // first word << 5 | bits
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
     float red[12];
+    float pend_decay;         // SQ_PENDING, GDN: e^g of this token, the decay of the held u_e (1 without pend_gate)
     int item_slot[SQ_ITEMS];  // the slots of the CTA's batch rows (STAGED)
     float pdot[SQ_PENDING && DO_READOUT ? 4 * 2 * MAX_PENDING : 1];  // [row warp][k or q][j]: k.k_j, q.k_j
     alignas(16) float readout[OWN_READOUT_BUFFER ? 2 * NUM_WARPS * V : 1];  // readout partials [k or q][warp][V]
@@ -191,12 +196,14 @@ struct Staged {
     uint4 g[32];          // [K] KDA gates
     uint4 v[32];          // [V] v (fused) or u (writeback, FP32)
     uint4 rs[16], cs[16]; // [K], [V] FP16 old row and column scales
-    uint32_t beta_word, g_word, pad[2];  // the words holding beta and a GDN head's gate
+    uint32_t beta_word, g_word;  // the words holding beta and a GDN head's gate
+    float gate_word, pad;        // SQ_PENDING: a GDN head's pend_gate
     uint4 codes[STAGE_WORDS / 4];
     // SQ_PENDING: the held updates, FP16 [R - 1][K] k_j and [R - 1][V] u_j, after the codes: outside the
     // scratch of steps 3-5, which other warps write while one still folds
     uint4 pend_k[SQ_PENDING ? MAX_PENDING * MAX_K / 8 : 1];
     uint4 pend_u[SQ_PENDING ? MAX_PENDING * V / 8 : 1];
+    uint4 gate[SQ_PENDING ? MAX_K / 4 : 1];  // SQ_PENDING, KDA: [K] pend_gate
 };
 static_assert(!SQ_PENDING || offsetof(Staged, pend_k) >= 4 * SCRATCH, "pending updates outside the scratch");
 constexpr int STAGE_BUFFER = sizeof(Staged) > 4 * SCRATCH ? int(sizeof(Staged)) : 4 * SCRATCH;  // bytes
@@ -560,7 +567,10 @@ __device__ __forceinline__ void requantize(const Params& p, Shared& sm, float (&
                     // build's C++ would not see through it)
                     const __half2* u2 = reinterpret_cast<const __half2*>(pend_u + j * V + 4 * lane);
                     const float2 lo = __half22float2(u2[0]), hi = __half22float2(u2[1]);
-                    const float uj[COLS] = {lo.x, lo.y, hi.x, hi.y};
+                    float uj[COLS] = {lo.x, lo.y, hi.x, hi.y};
+#pragma unroll
+                    for (int c = 0; c < COLS; ++c)  // GDN: decayed by this token's gate (1 in the writeback part)
+                        if (!SQ_KDA) uj[c] = __half2float(__float2half_rn(uj[c] * sm.pend_decay));
                     const __half2* k2 = reinterpret_cast<const __half2*>(pend_k + j * K + row0);  // ROWS halves
 #pragma unroll
                     for (int m = 0; m < ROWS / 2; ++m) {
@@ -864,12 +874,16 @@ __device__ void stage_row(const Params& p, Staged& in, int n, int h, long long s
         uint4* dst = warp == 6 ? in.pend_k : in.pend_u;
 #pragma unroll 1
         for (int c = lane; c < p.pend_n * width / 8; c += 32) cp_async<16>(dst + c, src + 8 * c);
+        if (warp == 7 && p.pend_gate) {  // and the log decay summed since the fit
+            if (SQ_KDA) chunk(in.gate, p.pend_gate, nh * K, K, false, lane);
+            else if (lane == 0) cp_async<4>(&in.gate_word, p.pend_gate + nh);
+        }
     }
 }
 
 template <int KIND>  // 2..8: every row of the head has KIND bits; 0: per-row widths (and FP16 pivot rows)
 __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long slot, int4 head,
-                          const Staged* in, uint4* stage, float* scratch) {
+                          Staged* in, uint4* stage, float* scratch) {
     // in: STAGED, batch row n's copied inputs (stage_row; the row tables are in sm already), else null;
     // stage: where the head's code words are staged (in->codes, or Shared::stage); scratch: steps 3-5's
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -886,11 +900,11 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
     // SQ_PENDING: the held updates of (n, h), [pend_n][K] k_e and [pend_n][V] u_e, as stage_row copied them
     // (STAGED), else in global memory
-    const __half* pend_k = nullptr;
-    const __half* pend_u = nullptr;
+    __half* pend_k = nullptr;
+    __half* pend_u = nullptr;
     if constexpr (SQ_PENDING && STAGED) {
-        pend_k = reinterpret_cast<const __half*>(in->pend_k);
-        pend_u = reinterpret_cast<const __half*>(in->pend_u);
+        pend_k = reinterpret_cast<__half*>(in->pend_k);
+        pend_u = reinterpret_cast<__half*>(in->pend_u);
     } else if constexpr (SQ_PENDING) {
         pend_k = p.pend_k + nh * p.pend_stride * K;
         pend_u = p.pend_u + nh * p.pend_stride * V;
@@ -903,6 +917,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     // the split). Rows past K are neutral: a = k = q = 0 makes their X zero (and row_entry's); nothing of
     // theirs is stored.
     float k_i = 0.f, q_i = 0.f, eg = 1.f, r_old = 1.f;  // row threads
+    float g_tok = 0.f;  // SQ_PENDING with pend_gate: this token's log decay (eg: the sum since the fit)
     RowEntry entry{};
     float v_j = 0.f, beta = 0.f;  // column threads (v_j: u in the split writeback)
     if (tid < MAX_K) {
@@ -920,6 +935,11 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
                     q_i = load_in(p.q, ((long long)n * p.HQ + hq) * K + i, p.bf16_mask & 1);
                 }
                 if (FROM_CODES) eg = load_in(p.g, SQ_KDA ? nh * K + i : nh, p.bf16_mask & 8);
+            }
+            if (SQ_PENDING && FROM_CODES && p.pend_gate) {
+                g_tok = eg;
+                eg = __fadd_rn(STAGED ? (SQ_KDA ? reinterpret_cast<const float*>(in->gate)[i] : in->gate_word)
+                                      : p.pend_gate[SQ_KDA ? nh * K + i : nh], g_tok);
             }
         }
     } else if (column_thread(tid)) {
@@ -956,12 +976,24 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         sm.row[i] = make_float4(a * k_i, a * q_i, a, k_i);
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
+        if (SQ_PENDING && i == 0) sm.pend_decay = SQ_KDA ? 1.f : expf(g_tok);
         if constexpr (SQ_PENDING && DO_READOUT) {  // k . k_e and q . k_e before the norms of k and q
-            // every held k_e[i] first (predicated loads, one round trip to memory), then the reductions
+            // every held k_e[i] first (predicated loads, one round trip to memory), then the reductions;
+            // KDA with pend_gate: decayed by this token's gate first, and stored back (the fold reads them)
             float kj[MAX_PENDING];
 #pragma unroll
             for (int e = 0; e < MAX_PENDING; ++e)
                 kj[e] = e < p.pend_n && i < K ? __half2float(pend_k[e * K + i]) : 0.f;
+            if (SQ_KDA && p.pend_gate && i < K) {
+                const float decay = expf(g_tok);
+#pragma unroll
+                for (int e = 0; e < MAX_PENDING; ++e) {
+                    if (e >= p.pend_n) break;
+                    const __half decayed = __float2half_rn(kj[e] * decay);
+                    pend_k[e * K + i] = decayed;
+                    kj[e] = __half2float(decayed);
+                }
+            }
 #pragma unroll
             for (int e = 0; e < MAX_PENDING; ++e) {
                 if (e >= p.pend_n) break;
@@ -992,6 +1024,10 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     if constexpr (SQ_PENDING && SQ_PART == READOUT) {  // append this token's k, normalized, to the pending
         if (p.pend_append >= 0 && tid < K)
             p.pend_k[(nh * p.pend_stride + p.pend_append) * K + tid] = __float2half_rn(k_i * fk);
+    }
+    if constexpr (SQ_PENDING && FROM_CODES) {  // the readout carries the gate sum on, a fit restarts it (after
+        if (p.pend_gate && (SQ_KDA ? tid < K : tid == 0))  // the barrier: every row thread has read it)
+            p.pend_gate[SQ_KDA ? nh * K + tid : nh] = SQ_PART == READOUT ? eg : 0.f;
     }
 
     float x[ROWS][COLS];  // levels, then X, then Y (pivot rows: values, then X)
@@ -1096,7 +1132,8 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
                     float d = 0.f;
 #pragma unroll
                     for (int w = 0; w < 4; ++w) d += sm.pdot[(w * 2 + a) * MAX_PENDING + e];
-                    const float u_e = HOIST_U ? ue[HOIST_U ? e : 0] : __half2float(pend_u[e * V + j]);
+                    float u_e = HOIST_U ? ue[HOIST_U ? e : 0] : __half2float(pend_u[e * V + j]);
+                    if (!SQ_KDA) u_e = __half2float(__float2half_rn(u_e * sm.pend_decay));  // GDN: u_e decayed
                     ds = __fmaf_rn(d * (a ? fq : fk), u_e, ds);
                 }
             }
@@ -1114,6 +1151,15 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         __syncthreads();
         if (tid < V)  // y = X^T q = (D S)^T q + (k.q) u, before anything is requantized
             store_out(p.y, nh * V + j, __fmaf_rn(kq, sm.col[1][j], qds), p.bf16_mask & 32);
+        if constexpr (SQ_PENDING && SQ_PART == READOUT && !SQ_KDA) {  // GDN: the held u_e stored decayed
+            if (p.pend_gate && column_thread(tid)) {                  // (after every thread read them)
+#pragma unroll
+                for (int e = 0; e < MAX_PENDING; ++e) {
+                    if (e >= p.pend_n) break;
+                    pend_u[e * V + j] = __float2half_rn(ue[HOIST_U ? e : 0] * sm.pend_decay);
+                }
+            }
+        }
     } else if constexpr (SQ_PART == WRITEBACK) {
         if (column_thread(tid)) sm.col[1][tid - MAX_K] = v_j;  // the readout's u
         __syncthreads();
