@@ -5,7 +5,10 @@
 # Triton kernel's GPU tests, in that order (each step time-boxed: *_TIMEOUT variables), and leaves logs
 # and results in $OUT (default benchmarks/results): env.txt, build_cuda.log, gpu_tests.log, bench.log,
 # bench_decode.json, bench_decode.md, ncu_gdn.txt and ncu_kda.txt (benchmarks/ncu_run.sh; NO_NCU=1 skips;
-# NO_BENCH=1 stops after the kernel tests; NO_TRITON_TESTS=1 skips the last step). About 10 minutes in all.
+# NO_BENCH=1 stops after the kernel tests; NO_TRITON_TESTS=1 skips the last step). After the benchmark, the
+# deferred-fit step (benchmarks/bench_deferred.py: the whole step amortized over R tokens, against fla FP32
+# in the same run; deferred.log, bench_deferred.{json,md}; NO_DEFERRED=1 skips it, DEFERRED_ARGS passes
+# options). About 10 minutes in all.
 # After the serving tests, the whole-model step (issue 13): the calibrate / eval CUDA-vs-CPU test
 # (tests/test_gpu_cli.py, gpu_cli_tests.log), the CUDA-graph decode test (tests/test_gpu_generate.py, gpu_generate_tests.log) and
 # benchmarks/bench_generate.py (greedy decode of production-shape random-weight models per state format,
@@ -92,6 +95,14 @@ status=${PIPESTATUS[0]}
 if [ "$status" -ne 0 ]; then
     echo "bench_decode.py exit $status; last log lines:"
     tail -n 25 "$OUT/bench.log"
+fi
+
+if [ -z "${NO_DEFERRED:-}" ]; then
+    echo "== deferred fitting (benchmarks/bench_deferred.py)"
+    PYTHONUNBUFFERED=1 timeout ${DEFERRED_TIMEOUT:-150} python3 benchmarks/bench_deferred.py --out "$OUT" \
+        --every 4,8 ${DEFERRED_ARGS:-} > "$OUT/deferred.log" 2>&1
+    echo "bench_deferred.py exit $?"
+    grep -v "^  " "$OUT/deferred.log" | grep -v "split fit\|torch gates" | tail -n 40
 fi
 
 [ -n "${NO_SERVING_TESTS:-}" ] || gpu_tests tests/test_gpu_serving.py "${SERVING_TEST_TIMEOUT:-360}"  # fla autotunes: minutes
