@@ -7,7 +7,7 @@ rows come from the same forward passes, so d and its standard error come from th
 **missed**: d is on the target's / the wrong side by more than one standard error; **not resolvable**:
 within one (the nominal side in brackets); "weak" marks a margin under two standard errors.
 
-    python -m studies.verdicts docs/results/eval.json          # the markdown table of docs/eval.md section 4
+    python -m studies.verdicts docs/results/eval.json.gz          # the markdown table of docs/eval.md section 4
     python -m studies.verdicts docs/results/full_eval_{gdn,kda}.json.gz   # the full protocol's (section 8)
 
 Prints the table, then one JSON line with every d, se and verdict.
@@ -104,9 +104,9 @@ def table(record: dict) -> tuple[str, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m studies.verdicts", description=__doc__.split("\n")[0])
-    parser.add_argument("eval_json", nargs="*", type=Path, default=[Path("docs/results/eval.json")],
+    parser.add_argument("eval_json", nargs="*", type=Path, default=[Path("docs/results/eval.json.gz")],
                         help="eval.json (or .json.gz) files written by `stepquant eval`, their models "
-                             "side by side (default docs/results/eval.json)")
+                             "side by side (default docs/results/eval.json.gz)")
     args = parser.parse_args(argv)
     path = ", ".join(map(str, args.eval_json))
     try:
