@@ -29,10 +29,10 @@ timeout "${BUILD_TIMEOUT:-240}" python3 benchmarks/build_cuda.py --jobs "$(nproc
     > "$OUT/build_cuda.log" 2>&1
 echo "build exit $?"; tail -n 1 "$OUT/build_cuda.log"
 # registers and instructions of the 6-bit bodies with pending updates (nvcc only; beside the tests)
-for part in readout writeback; do
+for part in readout fused writeback; do
     timeout 120 python3 benchmarks/sass_cuda.py --kind 6 --part $part --refits 0 --row-fill --pending | tail -n 1
 done > "$OUT/sass.log" 2>&1 &
-timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_cuda_kernel.py -k "pending or deferred" -q -rA \
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_cuda_kernel.py -k "pending or deferred or fused_fit" -q -rA \
     -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests exit $?"; tail -n 3 "$OUT/gpu_tests.log"
 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_deferred.py --out "$OUT" \

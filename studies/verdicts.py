@@ -7,7 +7,7 @@ rows come from the same forward passes, so d and its standard error come from th
 **missed**: d is on the target's / the wrong side by more than one standard error; **not resolvable**:
 within one (the nominal side in brackets); "weak" marks a margin under two standard errors.
 
-    python -m studies.verdicts docs/results/eval.json.gz          # the markdown table of docs/eval.md section 4
+    python -m studies.verdicts docs/results/eval.json.gz       # the markdown table of docs/eval.md section 4
     python -m studies.verdicts docs/results/full_eval_{gdn,kda}.json.gz   # the full protocol's (section 8)
 
 Prints the table, then one JSON line with every d, se and verdict.

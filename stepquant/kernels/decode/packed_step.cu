@@ -209,6 +209,10 @@ static_assert(!SQ_PENDING || offsetof(Staged, pend_k) >= 4 * SCRATCH, "pending u
 constexpr int STAGE_BUFFER = sizeof(Staged) > 4 * SCRATCH ? int(sizeof(Staged)) : 4 * SCRATCH;  // bytes
 static_assert(STAGE_BUFFER % 16 == 0, "16-byte copies");
 constexpr int STAGED_BYTES = STAGED ? 2 * STAGE_BUFFER : 0;  // dynamic shared memory per CTA
+// SQ_PENDING without the staging buffers: the held updates' copy, pend_n (K + V) FP16 after STAGED_BYTES
+// (launched with the CTA's own count; the opt-in is for the most the kernel holds)
+constexpr int PENDING_BYTES_MAX = SQ_PENDING && !STAGED ? MAX_PENDING * (MAX_K + V) * 2 : 0;
+constexpr int DYNAMIC_BYTES_MAX = STAGED_BYTES + PENDING_BYTES_MAX;
 
 __device__ __forceinline__ float fp16_scale(float x) {
     // base.fp16_scale: clamp in FP32, round to nearest FP16
@@ -883,7 +887,7 @@ __device__ void stage_row(const Params& p, Staged& in, int n, int h, long long s
 
 template <int KIND>  // 2..8: every row of the head has KIND bits; 0: per-row widths (and FP16 pivot rows)
 __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long slot, int4 head,
-                          Staged* in, uint4* stage, float* scratch) {
+                          Staged* in, uint4* stage, float* scratch, __half* pend_copy) {
     // in: STAGED, batch row n's copied inputs (stage_row; the row tables are in sm already), else null;
     // stage: where the head's code words are staged (in->codes, or Shared::stage); scratch: steps 3-5's
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -898,16 +902,18 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     const int row0 = warp * ROWS;  // this warp's first key row
     // where row i starts, in words from the head's first word (heads of one width: a fixed stride)
     auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
-    // SQ_PENDING: the held updates of (n, h), [pend_n][K] k_e and [pend_n][V] u_e, as stage_row copied them
-    // (STAGED), else in global memory
-    __half* pend_k = nullptr;
+    // SQ_PENDING: the held updates of (n, h), [pend_n][K] k_e and [pend_n][V] u_e, read from shared memory
+    // (STAGED: stage_row's copy; else pend_copy, copied beside the code words in step 0), stored back (the
+    // readout: decayed, and this token's appended) to global memory
+    __half* pend_k = nullptr;  // the shared copies
     __half* pend_u = nullptr;
-    if constexpr (SQ_PENDING && STAGED) {
-        pend_k = reinterpret_cast<__half*>(in->pend_k);
-        pend_u = reinterpret_cast<__half*>(in->pend_u);
-    } else if constexpr (SQ_PENDING) {
-        pend_k = p.pend_k + nh * p.pend_stride * K;
-        pend_u = p.pend_u + nh * p.pend_stride * V;
+    __half* pend_k_out = nullptr;  // (n, h)'s entries in global memory
+    __half* pend_u_out = nullptr;
+    if constexpr (SQ_PENDING) {
+        pend_k_out = p.pend_k + nh * p.pend_stride * K;
+        pend_u_out = p.pend_u + nh * p.pend_stride * V;
+        pend_k = STAGED ? reinterpret_cast<__half*>(in->pend_k) : pend_copy;
+        pend_u = STAGED ? reinterpret_cast<__half*>(in->pend_u) : pend_copy + p.pend_n * K;
     }
 
     // ---- 0. every global input of the step is loaded here, before the first barrier, so that the CTA
@@ -959,6 +965,14 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         const uint4* src = reinterpret_cast<const uint4*>(slot_codes + head.z);
 #pragma unroll 1
         for (int e = tid; e < head.w / 4; e += THREADS) cp_async<16>(stage + e, src + e);
+        if constexpr (SQ_PENDING) {  // and the held updates: k_e then u_e, 16-byte chunks (K, V multiples of 8)
+            const int k_chunks = p.pend_n * K / 8, chunks = k_chunks + p.pend_n * V / 8;
+#pragma unroll 1
+            for (int e = tid; e < chunks; e += THREADS)
+                cp_async<16>(reinterpret_cast<uint4*>(pend_k) + e,
+                             e < k_chunks ? reinterpret_cast<const uint4*>(pend_k_out) + e
+                                          : reinterpret_cast<const uint4*>(pend_u_out) + (e - k_chunks));
+        }
     }
     if (tid < MAX_K) {
         const int i = tid;
@@ -977,30 +991,6 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
         if (SQ_PENDING && i == 0) sm.pend_decay = SQ_KDA ? 1.f : expf(g_tok);
-        if constexpr (SQ_PENDING && DO_READOUT) {  // k . k_e and q . k_e before the norms of k and q
-            // every held k_e[i] first (predicated loads, one round trip to memory), then the reductions;
-            // KDA with pend_gate: decayed by this token's gate first, and stored back (the fold reads them)
-            float kj[MAX_PENDING];
-#pragma unroll
-            for (int e = 0; e < MAX_PENDING; ++e)
-                kj[e] = e < p.pend_n && i < K ? __half2float(pend_k[e * K + i]) : 0.f;
-            if (SQ_KDA && p.pend_gate && i < K) {
-                const float decay = expf(g_tok);
-#pragma unroll
-                for (int e = 0; e < MAX_PENDING; ++e) {
-                    if (e >= p.pend_n) break;
-                    const __half decayed = __float2half_rn(kj[e] * decay);
-                    pend_k[e * K + i] = decayed;
-                    kj[e] = __half2float(decayed);
-                }
-            }
-#pragma unroll
-            for (int e = 0; e < MAX_PENDING; ++e) {
-                if (e >= p.pend_n) break;
-                const float dk = warp_sum(k_i * kj[e]), dq = warp_sum(q_i * kj[e]);
-                if (lane == 0) { sm.pdot[(warp * 2) * MAX_PENDING + e] = dk; sm.pdot[(warp * 2 + 1) * MAX_PENDING + e] = dq; }
-            }
-        }
     } else if (column_thread(tid)) {
         const int j = tid - MAX_K;
         float c_old = 1.f;
@@ -1023,11 +1013,33 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     const float kq = (sm.red[8] + sm.red[9] + sm.red[10] + sm.red[11]) * (fk * fq);
     if constexpr (SQ_PENDING && SQ_PART == READOUT) {  // append this token's k, normalized, to the pending
         if (p.pend_append >= 0 && tid < K)
-            p.pend_k[(nh * p.pend_stride + p.pend_append) * K + tid] = __float2half_rn(k_i * fk);
+            pend_k_out[p.pend_append * K + tid] = __float2half_rn(k_i * fk);
     }
     if constexpr (SQ_PENDING && FROM_CODES) {  // the readout carries the gate sum on, a fit restarts it (after
         if (p.pend_gate && (SQ_KDA ? tid < K : tid == 0))  // the barrier: every row thread has read it)
             p.pend_gate[SQ_KDA ? nh * K + tid : nh] = SQ_PART == READOUT ? eg : 0.f;
+    }
+    if constexpr (SQ_PENDING && DO_READOUT) {  // k . k_e and q . k_e (before the norms of k and q), row threads
+        if (tid < MAX_K) {
+            const int i = tid;
+            const bool decays = SQ_KDA && p.pend_gate && i < K;  // KDA: k_e decayed by this token's gate first
+            const float decay = decays ? expf(g_tok) : 1.f;
+#pragma unroll 1
+            for (int e = 0; e < p.pend_n; ++e) {
+                float kj = i < K ? __half2float(pend_k[e * K + i]) : 0.f;
+                if (decays) {  // stored back: the fit's fold reads the shared copy, later tokens the global one
+                    const __half decayed = __float2half_rn(kj * decay);
+                    pend_k[e * K + i] = decayed;
+                    if (SQ_PART == READOUT) pend_k_out[e * K + i] = decayed;
+                    kj = __half2float(decayed);
+                }
+                const float dk = warp_sum(k_i * kj), dq = warp_sum(q_i * kj);
+                if (lane == 0) {
+                    sm.pdot[(warp * 2) * MAX_PENDING + e] = dk;
+                    sm.pdot[(warp * 2 + 1) * MAX_PENDING + e] = dq;
+                }
+            }
+        }
     }
 
     float x[ROWS][COLS];  // levels, then X, then Y (pivot rows: values, then X)
@@ -1104,14 +1116,6 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     // sum q^T D S and store y once u is there
     if constexpr (DO_READOUT) {
         const int j = tid & (V - 1);
-        // SQ_PENDING: every held u_e[j] loaded from global memory here, in flight across the barrier (one
-        // round trip; STAGED: read from the staging buffer where they are used)
-        constexpr bool HOIST_U = SQ_PENDING && !STAGED;
-        float ue[HOIST_U ? MAX_PENDING : 1];
-        if constexpr (HOIST_U) {
-#pragma unroll
-            for (int e = 0; e < MAX_PENDING; ++e) ue[e] = e < p.pend_n ? __half2float(pend_u[e * V + j]) : 0.f;
-        }
         float* part = OWN_READOUT_BUFFER ? sm.readout : scratch;  // [k or q][NUM_WARPS][V]
 #pragma unroll
         for (int a = 0; a < 2; ++a)
@@ -1126,13 +1130,12 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
             for (int w = 0; w < NUM_WARPS; ++w) s += part[(a * NUM_WARPS + w) * V + j];
             float ds = __fmul_rn(sm.col[0][j], s) * (a ? fq : fk);  // the norms, after the sums
             if constexpr (SQ_PENDING) {  // + sum_e (k.k_e or q.k_e) u_e[j]
-#pragma unroll
-                for (int e = 0; e < MAX_PENDING; ++e) {
-                    if (e >= p.pend_n) break;
+#pragma unroll 1
+                for (int e = 0; e < p.pend_n; ++e) {
                     float d = 0.f;
 #pragma unroll
                     for (int w = 0; w < 4; ++w) d += sm.pdot[(w * 2 + a) * MAX_PENDING + e];
-                    float u_e = HOIST_U ? ue[HOIST_U ? e : 0] : __half2float(pend_u[e * V + j]);
+                    float u_e = __half2float(pend_u[e * V + j]);
                     if (!SQ_KDA) u_e = __half2float(__float2half_rn(u_e * sm.pend_decay));  // GDN: u_e decayed
                     ds = __fmaf_rn(d * (a ? fq : fk), u_e, ds);
                 }
@@ -1144,7 +1147,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
                 sm.col[1][j] = u;
                 if (SQ_PART == READOUT && p.work) p.work[nh * V + j] = u;
                 if constexpr (SQ_PENDING && SQ_PART == READOUT) {
-                    if (p.pend_append >= 0) p.pend_u[(nh * p.pend_stride + p.pend_append) * V + j] = __float2half_rn(u);
+                    if (p.pend_append >= 0) pend_u_out[p.pend_append * V + j] = __float2half_rn(u);
                 }
             }
         }
@@ -1152,12 +1155,10 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         if (tid < V)  // y = X^T q = (D S)^T q + (k.q) u, before anything is requantized
             store_out(p.y, nh * V + j, __fmaf_rn(kq, sm.col[1][j], qds), p.bf16_mask & 32);
         if constexpr (SQ_PENDING && SQ_PART == READOUT && !SQ_KDA) {  // GDN: the held u_e stored decayed
-            if (p.pend_gate && column_thread(tid)) {                  // (after every thread read them)
-#pragma unroll
-                for (int e = 0; e < MAX_PENDING; ++e) {
-                    if (e >= p.pend_n) break;
-                    pend_u[e * V + j] = __float2half_rn(ue[HOIST_U ? e : 0] * sm.pend_decay);
-                }
+            if (p.pend_gate && column_thread(tid)) {
+#pragma unroll 1
+                for (int e = 0; e < p.pend_n; ++e)
+                    pend_u_out[e * V + j] = __float2half_rn(__half2float(pend_u[e * V + j]) * sm.pend_decay);
             }
         }
     } else if constexpr (SQ_PART == WRITEBACK) {
@@ -1181,14 +1182,16 @@ template <int KIND>
 __device__ void head_rows(const Params& p, Shared& sm, uint4* staged_mem, int num_rows, int rows, int h,
                           int4 head, int first_slot) {
     const int n0 = blockIdx.x * rows;  // rows <= SQ_ITEMS
+    __half* pend_copy = reinterpret_cast<__half*>(staged_mem);  // SQ_PENDING, not STAGED: the held updates
     if constexpr (SQ_ITEMS == 1) {  // one row per CTA, as before SQ_ITEMS (a loop cost the readout 21 registers)
-        head_step<KIND>(p, sm, n0, h, first_slot, head, nullptr, sm.stage, sm.scratch);
+        head_step<KIND>(p, sm, n0, h, first_slot, head, nullptr, sm.stage, sm.scratch, pend_copy);
     } else if constexpr (!STAGED) {
 #pragma unroll 1
         for (int m = 0; m < rows && n0 + m < num_rows; ++m) {
             if (m > 0) __syncthreads();  // the previous row's reads of shared memory are done
             // slot -1: a free batch row (head_step returns before its first barrier)
-            head_step<KIND>(p, sm, n0 + m, h, m ? p.slots[n0 + m] : first_slot, head, nullptr, sm.stage, sm.scratch);
+            head_step<KIND>(p, sm, n0 + m, h, m ? p.slots[n0 + m] : first_slot, head, nullptr, sm.stage, sm.scratch,
+                            pend_copy);
         }
     } else {
         const int tid = threadIdx.x;
@@ -1222,7 +1225,8 @@ __device__ void head_rows(const Params& p, Shared& sm, uint4* staged_mem, int nu
             cp_async_commit();
             if (turn == 0) continue;
             Staged* in = buffer((turn - 1) & 1);
-            head_step<KIND>(p, sm, n0 + m, h, sm.item_slot[m], head, in, in->codes, reinterpret_cast<float*>(in));
+            head_step<KIND>(p, sm, n0 + m, h, sm.item_slot[m], head, in, in->codes, reinterpret_cast<float*>(in),
+                            nullptr);
             m = next_row(m);
         }
     }
@@ -1231,9 +1235,9 @@ __device__ void head_rows(const Params& p, Shared& sm, uint4* staged_mem, int nu
 __global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(const Params p, int num_rows, int rows) {
     __shared__ Shared sm;
 #ifdef SQ_EMULATE
-    __shared__ uint4 staged_mem[STAGED_BYTES / 16 + 1];
+    __shared__ uint4 staged_mem[DYNAMIC_BYTES_MAX / 16 + 1];
 #else
-    extern __shared__ uint4 staged_mem[];  // STAGED_BYTES: the two staging buffers
+    extern __shared__ uint4 staged_mem[];  // STAGED_BYTES: the two staging buffers; or the held updates
 #endif
     const int h = blockIdx.y;
     const int4 head = reinterpret_cast<const int4*>(p.heads)[h];  // (kind, scale slot, first word, words)
@@ -1280,15 +1284,17 @@ extern "C" int sq_packed_step(const Params* p, int num_rows, int device, void* s
         rows = int(per_cta < 1 ? 1 : per_cta < SQ_ITEMS ? per_cta : SQ_ITEMS);
     }
     dim3 grid((num_rows + rows - 1) / rows, p->H);
-    if (STAGED_BYTES > 0) {  // past the 48 KB a launch gets without asking (once per process and device)
+    if (DYNAMIC_BYTES_MAX > 0) {  // past the 48 KB a launch gets without asking (once per process and device)
         static bool raised[64] = {};
         if (device >= 64 || !raised[device]) {
-            err = cudaFuncSetAttribute(packed_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, STAGED_BYTES);
+            err = cudaFuncSetAttribute(packed_step_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       DYNAMIC_BYTES_MAX);
             if (err != cudaSuccess) return int(err);
             if (device < 64) raised[device] = true;
         }
     }
-    packed_step_kernel<<<grid, THREADS, STAGED_BYTES, static_cast<cudaStream_t>(stream)>>>(*p, num_rows, rows);
+    const int dynamic_bytes = STAGED_BYTES + (PENDING_BYTES_MAX ? p->pend_n * (p->K + V) * 2 : 0);
+    packed_step_kernel<<<grid, THREADS, dynamic_bytes, static_cast<cudaStream_t>(stream)>>>(*p, num_rows, rows);
 #endif
     return int(cudaGetLastError());
 }
