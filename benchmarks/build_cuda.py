@@ -58,7 +58,8 @@ def main(argv=None) -> int:
                              "the shipped plans' quantizers (reciprocal, one refit or none, mid-rise or "
                              "mid-tread), no debug")
     parser.add_argument("--deferred-only", action="store_true",
-                        help="only what bench_deferred.py and the pending-update GPU tests use")
+                        help="only what bench_deferred.py, the pending-update GPU tests and the deferred "
+                             "PackedStateCache's use")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("no CUDA GPU: nothing to build (the CPU tests build the emulation on their own)")
@@ -71,8 +72,8 @@ def main(argv=None) -> int:
     configs = CONFIGS + [("dual_axis", RECIPROCAL_1, part, kda, "16 warps") for kda in (False, True)
                          for part in ("fused", "readout")]
     if args.deferred_only:
-        configs = [c for c in CONFIGS if c[1] in (FILL_0, FILL_MIDTREAD_1) and c[2] in ("fused", "readout")
-                   and c[4] is False]
+        configs = [c for c in CONFIGS if c[1] in (FILL_0, FILL_MIDTREAD_1)
+                   and c[2] in ("fused", "readout", "pack") and c[4] is False]
     if args.serving_only:
         configs = [c for c in CONFIGS
                    if c[1] in SERVING and c[4] is False

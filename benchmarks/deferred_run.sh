@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The deferred-fit format on a GPU in one device call (docs/kernels.md, "Deferred fitting"): installs the
 # wheels carried under .whl/ (fla-core: the FP32 baseline), writes versions (env.txt), builds the CUDA
-# libraries it uses (build_cuda.log), runs the pending-update GPU tests (gpu_tests.log) and
-# benchmarks/bench_deferred.py (bench.log, bench_deferred.json, bench_deferred.md), each time-boxed, and the
-# SASS profile of the pending bodies (sass.log); about 3 minutes.
+# libraries it uses (build_cuda.log), runs the pending-update GPU tests (gpu_tests.log), the deferred
+# PackedStateCache's GPU test (serving_tests.log) and benchmarks/bench_deferred.py (bench.log,
+# bench_deferred.json, bench_deferred.md; NO_BENCH=1 skips it), each time-boxed, and the SASS profile of the
+# pending bodies (sass.log); about 3 minutes.
 #
 #   OUT=/some/dir bash benchmarks/deferred_run.sh      (BENCH_ARGS passes options to bench_deferred.py, e.g.
 #   BENCH_ARGS="--source old=.whl/packed_step_old.cu": another version of the kernel timed in the same run)
@@ -35,6 +36,11 @@ done > "$OUT/sass.log" 2>&1 &
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_cuda_kernel.py -k "pending or deferred or fused_fit" -q -rA \
     -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests exit $?"; tail -n 3 "$OUT/gpu_tests.log"
+# PackedStateCache(defer=4) with the shipped checkpoints against the deferred codec (serving_tests.log)
+STEPQUANT_UNTUNED_TRITON=1 timeout "${SERVING_TEST_TIMEOUT:-240}" python3 -m pytest -m gpu tests/test_gpu_serving.py \
+    -k deferred -q -s -rA -p no:cacheprovider > "$OUT/serving_tests.log" 2>&1
+echo "serving tests exit $?"; grep -E "deferred|passed|failed" "$OUT/serving_tests.log" | tail -n 8
+if [ -n "${NO_BENCH:-}" ]; then wait; cat "$OUT/sass.log"; exit 0; fi
 PYTHONUNBUFFERED=1 timeout "${BENCH_TIMEOUT:-300}" python3 benchmarks/bench_deferred.py --out "$OUT" \
     ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1
 echo "bench exit $?"

@@ -4,7 +4,8 @@
   the same GPU, including the packed boundary state and a second chunk continued from it;
 - ``PackedStateCache`` on CUDA (the CUDA decode and pack kernels on the pool) against
   ``CompressedStateCache`` (transformers' own step and the torch codec) with the shipped checkpoints:
-  per-step logits from the same stored state, and greedy generation.
+  per-step logits from the same stored state, and greedy generation; with defer=4 (the deferred-fit
+  format) against the compressed cache with the plan's codecs deferred alike.
 
 Every test is marked gpu and skips without CUDA; the prefill tests need fla, the cache tests a shipped
 checkpoint.
@@ -150,3 +151,44 @@ def test_packed_cache_split_step_generates_the_same_tokens(name):
         seconds[split] = time.perf_counter() - start
     print(f"{name}: generate 4 x 32 tokens: fused {seconds[False]:.3f} s, split {seconds[True]:.3f} s")
     assert torch.equal(outputs[True], outputs[False])
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_packed_cache_deferred_follows_the_deferred_codec(name):
+    # defer=4 on CUDA (the kernel's deferred path) against the compressed cache with the plan's codecs
+    # deferred alike (the float state between fits), then greedy decoding on each cache's own states
+    import time
+
+    from stepquant.codecs import DeferredCodec
+    from stepquant.integrations.hf_cache import CompressedStateCache
+    from stepquant.integrations.packed_cache import PackedStateCache
+
+    model, plan = shipped_on_gpu(name)
+    every, ids = 4, torch.randint(1, 8000, (2, 16), generator=torch.Generator().manual_seed(24)).cuda()
+    ours = PackedStateCache(model.config, plan, max_batch=2, device="cuda", defer=every)
+    codecs = {layer: DeferredCodec(plan.codec(i), every) for i, layer in enumerate(ours.linear_layers)}
+    reference = CompressedStateCache(model.config, codecs)
+    assert rel_rms(forward(model, ours, ids[:, :6]), forward(model, reference, ids[:, :6])) == 0.0
+    errors = [rel_rms(forward(model, ours, ids[:, t:t + 1]), forward(model, reference, ids[:, t:t + 1]))
+              for t in range(6, 14)]  # two fits
+    continued = rel_rms(forward(model, ours, ids[:, 14:]), forward(model, reference, ids[:, 14:]))
+    print(f"{name}: deferred R={every} per decode step {', '.join(f'{e:.1e}' for e in errors)}; continued "
+          f"prompt {continued:.1e}")
+    assert max(errors) < 2e-3 and continued < 2e-3  # the CPU twin measured up to 3.3e-4
+    greedy = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
+    outputs, seconds = {}, {}
+    for defer in (None, every, None, every):  # the second round is timed warm
+        cache = PackedStateCache(model.config, plan, max_batch=2, device="cuda", defer=defer)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            outputs[defer] = model.generate(ids[:, :6], past_key_values=cache, **greedy)
+        torch.cuda.synchronize()
+        seconds[defer] = time.perf_counter() - start
+    with torch.inference_mode():
+        want = model.generate(ids[:, :6], past_key_values=CompressedStateCache(model.config, codecs),
+                              **greedy)
+    same = torch.equal(outputs[every], want)
+    print(f"{name}: generate 2 x 24 tokens: per-token fit {seconds[None]:.3f} s, deferred "
+          f"{seconds[every]:.3f} s; deferred tokens equal the deferred codec's: {same}")
+    assert torch.equal(outputs[every][:, :12], want[:, :12])  # later tokens may part on a near tie

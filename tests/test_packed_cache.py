@@ -10,6 +10,7 @@ from transformers import DynamicCache
 from stepquant import assets
 from stepquant.accounting import plan_bytes
 from stepquant.calibrate import Plan
+from stepquant.codecs import DeferredCodec
 from stepquant.families import KDA, shape_from_config
 from stepquant.integrations import packed_cache
 from stepquant.integrations.hf_cache import CompressedStateCache
@@ -184,6 +185,42 @@ def test_generate_greedy_batch_reset_and_beam_search(shipped):
         assert beam.shape == (2, 9) and torch.equal(beam, beam_reference)
 
 
+def test_deferred_cache_follows_the_deferred_codec(shipped):
+    """defer=R: the CUDA kernel's deferred path (its emulation build on this CPU) against the compressed cache
+    with the plan's codecs deferred alike (DeferredCodec: the float state between fits). Then a prompt
+    continued on a state with held updates, beam search's reorder, and the buffers' bytes."""
+    name, model, plan = shipped
+    every, ids = 3, tokens(2, 13, seed=6)
+    ours = PackedStateCache(model.config, plan, max_batch=2, defer=every)
+    codecs = {layer: DeferredCodec(plan.codec(i), every) for i, layer in enumerate(ours.linear_layers)}
+    reference = CompressedStateCache(model.config, codecs)
+    assert torch.equal(forward(model, ours, ids[:, :6]), forward(model, reference, ids[:, :6]))
+    first = ours.layers[ours.linear_layers[0]].deferred
+    errors, ages = [], []
+    for t in range(6, 11):  # five tokens: fits at the third and sixth after the prefill's
+        errors.append(step_error(model, ours, reference, ids[:, t:t + 1]))
+        ages.append(first.age)
+    assert ages == [1, 2, 0, 1, 2]
+    # measured: 1e-7 before the first fit, then up to 3.3e-4 (gdn) and 1.5e-4 (kda): the FP16 updates and
+    # the codes that flip on a rounding boundary at the fit
+    assert errors[0] < 1e-5 and max(errors) < 2e-3, errors
+    # a prompt continued on a state that holds two updates: the model's chunked path from the whole state
+    assert step_error(model, ours, reference, ids[:, 11:13]) < 2e-3
+    assert first.age == 0 and not first.g_sum.any()
+    shape = shape_from_config(model.config.to_dict())
+    gate = shape.key_dim if name == "kda" else 1  # KDA sums a gate per key row, GDN one per head
+    per_head = 4 * gate + (every - 1) * (shape.key_dim + shape.value_dim) * 2
+    layers = len(ours.linear_layers)
+    assert ours.state_bytes()["deferred_bytes_per_request"] == per_head * shape.heads * layers
+    forward(model, ours, ids[:, 6:7])
+    before = [t.clone() for t in (first.g_sum, first.pend_k, first.pend_u)]
+    ours.reorder_cache(torch.tensor([1, 1]))
+    assert all(torch.equal(t, b[[1, 1]]) for t, b in zip((first.g_sum, first.pend_k, first.pend_u), before,
+                                                         strict=True))
+    ours.reset()
+    assert ours.layers[ours.linear_layers[0]].deferred is None
+
+
 def test_reorder_copies_slot_contents_for_beam_search():
     model, _ = load("gdn")
     plan = Plan.load(PLANS / "gdn" / "stepquant-6", model_config=model.config)
@@ -234,6 +271,9 @@ def test_errors_name_the_argument_and_the_fix():
         PackedStateCache(model.config, "int4", max_batch=1)
     with pytest.raises(ValueError, match="split=True .* needs device='cuda'"):
         PackedStateCache(model.config, plan, max_batch=1, split=True)
+    for defer in (1, 17, True, 2.0):
+        with pytest.raises(ValueError, match="defer is R, a fit every 2..16"):
+            PackedStateCache(model.config, plan, max_batch=1, defer=defer)
     kda_plan = Plan.load(PLANS / "kda" / "stepquant-6")
     with pytest.raises(ValueError, match=r"the plan was calibrated for 'kda' \(kimi_linear, 6 KDA layers"):
         PackedStateCache(model.config, kda_plan, max_batch=1)

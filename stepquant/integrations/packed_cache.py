@@ -60,14 +60,17 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
 from stepquant.codecs import LayerFormat
-from stepquant.families import SUPPORTED_MODEL_TYPES, family_for, linear_layers, shape_from_config
+from stepquant.codecs.deferred import MAX_DEFER
+from stepquant.families import KDA, SUPPORTED_MODEL_TYPES, family_for, linear_layers, shape_from_config
 from stepquant.kernels.decode import (
     backend_for,
+    cuda,
     decode_step_packed,
     decode_step_split,
     naive_unpack_states,
     pack_states,
 )
+from stepquant.kernels.decode.deferred import DeferredBuffers, decode_deferred
 from stepquant.pool import PackedLayer, PackedStatePool
 
 _ROUTE_MARK = "_stepquant_packed_route"
@@ -77,16 +80,17 @@ class PackedSlots:
     """What ``PackedStateCache.get_recurrent_state`` hands the mixer instead of an FP32 state.
 
     layer: the pool layer holding the states; slots: int32 [N] slot of each batch row (pool device);
-    split_stream: the side stream of the split step (decode_step_split), or None for the fused step.
+    split_stream: the side stream of the split step (decode_step_split), or None for the fused step;
+    deferred: the batch rows' deferred buffers (a fit every R-th token, decode_deferred), or None.
     ``to()`` returns the handle itself because Kimi-Linear's mixer calls ``state.to(torch.float32)``
     on the final state before storing it.
     """
 
-    __slots__ = ("layer", "slots", "split_stream")
+    __slots__ = ("layer", "slots", "split_stream", "deferred")
 
     def __init__(self, layer: PackedLayer, slots: torch.Tensor,
-                 split_stream: torch.cuda.Stream | None = None):
-        self.layer, self.slots, self.split_stream = layer, slots, split_stream
+                 split_stream: torch.cuda.Stream | None = None, deferred: DeferredBuffers | None = None):
+        self.layer, self.slots, self.split_stream, self.deferred = layer, slots, split_stream, deferred
 
     def to(self, *args, **kwargs) -> PackedSlots:
         return self
@@ -121,17 +125,26 @@ def _route(original: Callable) -> Callable:
                            for t in (query, key, value, g, beta)]
             out = torch.empty(value[:, 0].shape, dtype=query.dtype, device=layer.device) if direct else None
             options = dict(scale=kwargs.get("scale"), use_qk_l2norm=use_qk_l2norm, out=out)
-            if handle.split_stream is not None:  # readout here, writeback on the side stream
+            if handle.deferred is not None:  # the CUDA kernel (emulated off CUDA): a fit every R-th token
+                layer.wait_writes()
+                y = decode_deferred(layer.tables, layer.pages, handle.slots, *step_inputs, handle.deferred,
+                                    **options)
+            elif handle.split_stream is not None:  # readout here, writeback on the side stream
                 y = decode_step_split(layer, handle.slots, *step_inputs, stream=handle.split_stream,
                                       **options)
             else:
                 y = decode_step_packed(layer, handle.slots, *step_inputs, **options)  # [N, H, V]
             return y[:, None].to(device=value.device, dtype=query.dtype), handle
-        # several tokens on an existing state: the model's own function from the decoded state, repacked
-        initial = naive_unpack_states(handle.layer, handle.slots).to(value.device)  # [N, H, K, V] FP32
-        kwargs = {**kwargs, "initial_state": initial, "output_final_state": True}
+        # several tokens on an existing state: the model's own function from the decoded state (a deferred
+        # state: with its held updates and gate sum), repacked (a fit)
+        initial = naive_unpack_states(handle.layer, handle.slots)  # [N, H, K, V] FP32
+        if handle.deferred is not None:
+            initial = handle.deferred.state(initial)
+        kwargs = {**kwargs, "initial_state": initial.to(value.device), "output_final_state": True}
         output, final = original(*args, **kwargs)
         pack_states(handle.layer, handle.slots, final.to(device=handle.layer.device, dtype=torch.float32))
+        if handle.deferred is not None:
+            handle.deferred.clear()
         return output, handle
 
     setattr(routed, _ROUTE_MARK, routed)  # points to itself: a functools.wraps copy elsewhere is not ours
@@ -209,15 +222,20 @@ class _RowSlots:
 class PackedLinearAttentionLayer(LinearAttentionLayer):
     """A linear-attention cache layer whose recurrent state lives in one layer of a packed state pool.
 
-    pool_layer: this layer's pages; rows: the slot of each batch row (shared by all layers of a cache).
-    Convolution states are kept by the parent class as usual.
+    pool_layer: this layer's pages; rows: the slot of each batch row (shared by all layers of a cache);
+    defer: R for a fit every R-th decode token (the layer then holds the rows' DeferredBuffers, made at the
+    first store), or None; kda: the gates are per key row (Kimi-Linear). Convolution states are kept by the
+    parent class as usual.
     """
 
-    def __init__(self, pool_layer: PackedLayer, rows: _RowSlots, split_stream=None, **kwargs):
+    def __init__(self, pool_layer: PackedLayer, rows: _RowSlots, split_stream=None, *,
+                 defer: int | None = None, kda: bool = False, **kwargs):
         super().__init__(number_of_states=1, **kwargs)
         self.pool_layer = pool_layer
         self.rows = rows
         self.split_stream = split_stream
+        self.defer, self.kda = defer, kda
+        self.deferred: DeferredBuffers | None = None
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0,
                             conv_kernel_size: int | None = None) -> None:
@@ -233,7 +251,7 @@ class PackedLinearAttentionLayer(LinearAttentionLayer):
         """The packed state of every batch row, or None before the first store."""
         if not self.has_previous_state[0] or self.rows.tensor is None:
             return None
-        return PackedSlots(self.pool_layer, self.rows.tensor, self.split_stream)
+        return PackedSlots(self.pool_layer, self.rows.tensor, self.split_stream, self.deferred)
 
     def update_recurrent_state(self, recurrent_states, state_idx: int = 0, **kwargs):
         """Pack a float state (the boundary after a prefill); a PackedSlots was already written in place."""
@@ -250,6 +268,11 @@ class PackedLinearAttentionLayer(LinearAttentionLayer):
             self.lazy_initialization(recurrent_states=recurrent_states, state_idx=state_idx)
         slots = self.rows.ensure(recurrent_states.shape[0])
         pack_states(self.pool_layer, slots, recurrent_states.to(torch.float32))  # [N, H, K, V]
+        if self.defer is not None:  # a fit: nothing held since
+            if self.deferred is None:
+                self.deferred = DeferredBuffers.empty(self.pool_layer.tables, slots.shape[0], self.defer,
+                                                      self.kda)
+            self.deferred.clear()
         return recurrent_states
 
     def reset(self) -> None:
@@ -257,6 +280,7 @@ class PackedLinearAttentionLayer(LinearAttentionLayer):
         the next forward starts fresh requests, with any batch size up to the pool's slots."""
         self.conv_states[0], self.is_conv_states_initialized[0] = None, False
         self.has_previous_state[0] = False
+        self.deferred = None
         self.rows.release()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -269,6 +293,8 @@ class PackedLinearAttentionLayer(LinearAttentionLayer):
             return
         sources = slots.index_select(0, beam_idx.to(slots.device, torch.int64))  # [N]
         self.pool_layer.scatter(slots, self.pool_layer.gather(sources))  # gather copies: no aliasing
+        if self.deferred is not None:
+            self.deferred.reorder(beam_idx)
 
     def offload(self):  # the pool stays where it was built; only the conv state moves
         if self.is_conv_states_initialized[0]:
@@ -310,6 +336,12 @@ class PackedStateCache(DynamicCache):
                requantize + writeback on one side stream behind the following layers (decode_step_split;
                the pool orders every later access of a layer after its writeback). Default False: the
                fused step, which moves fewer bytes (the benchmark in benchmarks/results compares them)
+    defer:     R = 2..16: the deferred-fit format (stepquant.codecs.deferred): the CUDA kernel reads the codes
+               every token and fits them every R-th, holding the gate sum and R - 1 updates (FP16) per
+               request beside the slot (docs/kernels.md "Deferred fitting": on an H100 at B = 512 the GDN@6
+               step runs 3.1x fla's FP32 step at R = 4, the fused step 2.0x). Needs the CUDA kernel (V = 128,
+               K a multiple of 16; off CUDA its emulation runs, for tests: slow). Default None: a fit every
+               token
 
         cache = PackedStateCache(model.config, Plan.load("plans/gdn/stepquant-6"), max_batch=4)
         model.generate(ids, past_key_values=cache, max_new_tokens=32)
@@ -317,7 +349,7 @@ class PackedStateCache(DynamicCache):
     """
 
     def __init__(self, config, plan, *, max_batch: int, device: torch.device | str = "cpu",
-                 split: bool = False):
+                 split: bool = False, defer: int | None = None):
         check_transformers_version()
         model_type = config_model_type(config)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -350,8 +382,23 @@ class PackedStateCache(DynamicCache):
             raise ValueError("split=True runs the CUDA kernel's readout and writeback on two streams: it "
                              f"needs device='cuda', got {str(device)!r}")
         self.split_stream = torch.cuda.Stream(device) if split else None
+        if defer is not None:
+            if isinstance(defer, bool) or not isinstance(defer, int) or not 2 <= defer <= MAX_DEFER:
+                raise ValueError(f"defer is R, a fit every 2..{MAX_DEFER} decode tokens; got {defer!r} "
+                                 "(None: a fit every token)")
+            if split:
+                raise ValueError("split=True and defer: choose one (the deferred step fits in one pass)")
+            served = (cuda.supported if device.type == "cuda" else cuda.fits)
+            unserved = [i for i, layer in zip(self.linear_layers, self.pool, strict=True)
+                        if not served(layer.tables)]
+            if unserved:
+                raise ValueError(f"defer needs the CUDA kernel (V = 128, K a multiple of 16 up to 128; on "
+                                 f"CUDA sm_80+ and nvcc); it does not serve layers {unserved} here")
+        self.defer = defer
+        kda = family_for(model_type) is KDA
         for number, i in enumerate(self.linear_layers):
-            self.layers[i] = PackedLinearAttentionLayer(self.pool[number], self._rows, self.split_stream)
+            self.layers[i] = PackedLinearAttentionLayer(self.pool[number], self._rows, self.split_stream,
+                                                        defer=defer, kda=kda)
         route_recurrences(model_type)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):
@@ -372,8 +419,16 @@ class PackedStateCache(DynamicCache):
         """Packed bytes of the recurrent states, all linear-attention layers.
 
         bytes_per_request: one slot (equal to accounting.plan_bytes(...).serving_bytes); held_bytes: the
-        slots this cache holds now; pool_bytes: the whole preallocated pool (max_batch slots).
+        slots this cache holds now; pool_bytes: the whole preallocated pool (max_batch slots); with defer,
+        deferred_bytes_per_request: the deferred buffers each request holds beside its slot (the gate sum and
+        R - 1 FP16 updates per head, every layer; None before the first store).
         """
         held = 0 if self._rows.ids is None else len(self._rows.ids)
-        return {"bytes_per_request": self.pool.bytes_per_slot, "held_bytes": self.pool.bytes_per_slot * held,
-                "pool_bytes": self.pool.bytes_held, "slots": self.slots, "num_slots": self.pool.num_slots}
+        per_slot = self.pool.bytes_per_slot
+        result = {"bytes_per_request": per_slot, "held_bytes": per_slot * held,
+                  "pool_bytes": self.pool.bytes_held, "slots": self.slots, "num_slots": self.pool.num_slots}
+        if self.defer is not None:  # beside the slots: each request's deferred buffers, in every layer
+            buffers = [self.layers[i].deferred for i in self.linear_layers]
+            per_request = sum(b.bytes_per_row for b in buffers) if all(buffers) else None
+            result["deferred_bytes_per_request"] = per_request
+        return result

@@ -172,11 +172,12 @@ def defines_for(tables: FormatTables, part: str, kda: bool, debug: bool = False,
 
 def supported(tables: FormatTables) -> bool:
     """Whether the CUDA kernel serves this layer (V = 128, K <= 128, on a CUDA device, nvcc at hand)."""
-    return (tables.device.type == "cuda" and _fits(tables)
+    return (tables.device.type == "cuda" and fits(tables)
             and torch.cuda.get_device_capability(tables.device)[0] >= 8 and nvcc_path() is not None)
 
 
-def _fits(tables: FormatTables) -> bool:
+def fits(tables: FormatTables) -> bool:
+    """Whether the kernel's shapes cover this layer (V = 128, K a multiple of 16 up to 128), on any device."""
     k = tables.key_dim
     return tables.value_dim == VALUE_DIM and k <= MAX_KEY_DIM and k % KEY_DIM_STEP == 0
 
@@ -249,7 +250,7 @@ def launch(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, 
 
 
 def _check_supported(tables: FormatTables) -> None:
-    if not _fits(tables):
+    if not fits(tables):
         raise ValueError(f"the CUDA kernel serves V = {VALUE_DIM} and K a multiple of {KEY_DIM_STEP} up "
                          f"to {MAX_KEY_DIM}; this layer has K = {tables.key_dim}, V = {tables.value_dim} "
                          "(the Triton kernel, fused.py, serves any shape)")

@@ -56,6 +56,25 @@ class DeferredBuffers:
         self.g_sum.zero_()
         self.age = 0
 
+    @property
+    def bytes_per_row(self) -> int:
+        """What one batch row holds here: the gate sum (FP32) and R - 1 pending (k, u) pairs (FP16)."""
+        return sum(t[0].numel() * t.element_size() for t in (self.g_sum, self.pend_k, self.pend_u))
+
+    def state(self, fitted: torch.Tensor) -> torch.Tensor:
+        """The whole state [N, H, K, V] FP32 from the last fit's dequantized codes ``fitted``:
+        e^{g_sum} fitted + sum_j k_j u_j^T over the held updates (what a multi-token call starts from)."""
+        decay = torch.exp(self.g_sum)
+        k, u = (t[:, :, :self.age].float() for t in (self.pend_k, self.pend_u))
+        decay = decay[..., None] if decay.dim() == 3 else decay[..., None, None]
+        return fitted * decay + torch.einsum("nhjk,nhjv->nhkv", k, u)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Row r takes row rows[r]'s buffers (beam search; the slots' contents move alike)."""
+        rows = rows.to(self.g_sum.device, torch.int64)
+        for name in ("g_sum", "pend_k", "pend_u"):
+            setattr(self, name, getattr(self, name).index_select(0, rows).contiguous())
+
 
 def decode_deferred(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, k, v, g, beta,
                     buffers: DeferredBuffers, *, scale: float | None = None, use_qk_l2norm: bool = False,
