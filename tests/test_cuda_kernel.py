@@ -398,16 +398,22 @@ def test_nvcc_build_exports_the_entry_points(tmp_path, monkeypatch):
     assert lib.sq_packed_step and lib.sq_error_string
 
 
+def _two_copies(shape: str, config: str, num_rows: int, device: str):
+    """A layer with random packed states, a copy of it, its slots in reverse with row 1 free, q/k heads."""
+    layer, q_heads = _layer(shape, config, num_slots=num_rows, device=device)
+    all_slots = torch.arange(num_rows, dtype=torch.int32, device=device)
+    states = torch.randn(num_rows, layer.num_heads, layer.key_dim, 128, device=device)
+    naive_pack_states(layer, all_slots, states)
+    slots = all_slots.flip(0).contiguous()
+    slots[1] = -1
+    return layer, clone_layer(layer), slots, q_heads
+
+
 def _pending_case(config: str, device: str = "cpu", num_rows: int = 3, shape: str = "K112-mixed-pivots"):
     """The writeback of a deferred state's fit (SQ_PENDING): X = the plain writeback's X plus sum_j k_j u_j^T
     of the FP16 pending updates, and the codes are the codec's given that X (check_against_codec)."""
-    kernel, q_heads = _layer(shape, config, num_slots=num_rows, device=device)
+    kernel, plain, slots, q_heads = _two_copies(shape, config, num_rows, device)
     heads, key_dim = kernel.num_heads, kernel.key_dim
-    all_slots = torch.arange(num_rows, dtype=torch.int32, device=device)
-    naive_pack_states(kernel, all_slots, torch.randn(num_rows, heads, key_dim, 128, device=device))
-    plain = clone_layer(kernel)
-    slots = all_slots.flip(0).contiguous()
-    slots[1] = -1
     q, k, v, g, beta = token_inputs(num_rows, heads, q_heads, key_dim, 128, True, seed=21, device=device)
     gen = torch.Generator().manual_seed(22)
     pend_k = (torch.randn(num_rows, heads, 2, key_dim, generator=gen) / 8).half().to(device)
@@ -467,13 +473,8 @@ def _fused_fit_case(device: str, shape: str, num_rows: int, config: str = "fill-
     """A deferred state's fit token in one pass (the fused step with SQ_PENDING) stores and returns exactly
     what the split readout + writeback with the same pending updates do: y, codes and scales."""
     for kda in (True, False):
-        fused, q_heads = _layer(shape, config, num_slots=num_rows, device=device)
+        fused, split, slots, q_heads = _two_copies(shape, config, num_rows, device)
         heads, key_dim = fused.num_heads, fused.key_dim
-        all_slots = torch.arange(num_rows, dtype=torch.int32, device=device)
-        naive_pack_states(fused, all_slots, torch.randn(num_rows, heads, key_dim, 128, device=device))
-        split = clone_layer(fused)
-        slots = all_slots.flip(0).contiguous()
-        slots[1] = -1
         inputs = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=23, device=device)
         gen = torch.Generator().manual_seed(24)
         pending = ((torch.randn(num_rows, heads, 3, key_dim, generator=gen) / 8).half().to(device),
