@@ -18,7 +18,11 @@ materializes the FP32 state between steps:
   comes back as the "final state" and ``update_recurrent_state`` ignores it (already written);
 - a multi-token call on an existing state (prefill continuation, e.g. a chat turn appended to the
   cache) decodes the slots to FP32 for that one call, runs the model's own chunked function from it
-  and packs the final state again, as ``stepquant.kernels.prefill.prefill_packed`` does.
+  and packs the final state again, as ``stepquant.kernels.prefill.prefill_packed`` does;
+- with ``defer=R`` (the deferred-fit format, stepquant.codecs.deferred) a decode token runs
+  :func:`stepquant.kernels.decode.deferred.decode_deferred` instead: the codes are read every token and
+  fitted every R-th, and each layer holds the rows' gate sums and pending updates beside the slots
+  (``DeferredBuffers``; folded into the FP32 state of a multi-token call, reordered with the slots).
 
 Why a new class rather than a ``backend=`` option of CompressedStateCache: that cache is built
 around row groups with one codec each and an encoded object per group; a pool has one format (the
