@@ -13,6 +13,8 @@ checkpoint.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -88,6 +90,21 @@ def forward(model, cache, ids: torch.Tensor) -> torch.Tensor:
         return model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]
 
 
+def timed_generate(model, ids: torch.Tensor, greedy: dict, options: tuple, make_cache) -> tuple[dict, dict]:
+    """model.generate on a fresh make_cache(option) per option, every option twice (the second round timed
+    warm): ({option: tokens}, {option: seconds})."""
+    outputs, seconds = {}, {}
+    for option in (*options, *options):
+        cache = make_cache(option)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            outputs[option] = model.generate(ids, past_key_values=cache, **greedy)
+        torch.cuda.synchronize()
+        seconds[option] = time.perf_counter() - start
+    return outputs, seconds
+
+
 @pytest.mark.parametrize("name", ["gdn", "kda"])
 def test_packed_cache_on_gpu_matches_the_compressed_cache(name, monkeypatch):
     from stepquant.integrations.hf_cache import CompressedStateCache
@@ -133,22 +150,15 @@ def test_packed_cache_on_gpu_matches_the_compressed_cache(name, monkeypatch):
 @pytest.mark.parametrize("name", ["gdn", "kda"])
 def test_packed_cache_split_step_generates_the_same_tokens(name):
     # the split step stores exactly what the fused step stores, so greedy decoding must agree token for token
-    import time
 
     from stepquant.integrations.packed_cache import PackedStateCache
 
     model, plan = shipped_on_gpu(name)
     ids = torch.randint(1, 8000, (4, 16), generator=torch.Generator().manual_seed(23)).cuda()
     greedy = dict(max_new_tokens=32, do_sample=False, pad_token_id=0)
-    outputs, seconds = {}, {}
-    for split in (False, True, False, True):  # the second round is timed warm
-        cache = PackedStateCache(model.config, plan, max_batch=4, device="cuda", split=split)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            outputs[split] = model.generate(ids, past_key_values=cache, **greedy)
-        torch.cuda.synchronize()
-        seconds[split] = time.perf_counter() - start
+    outputs, seconds = timed_generate(
+        model, ids, greedy, (False, True),
+        lambda split: PackedStateCache(model.config, plan, max_batch=4, device="cuda", split=split))
     print(f"{name}: generate 4 x 32 tokens: fused {seconds[False]:.3f} s, split {seconds[True]:.3f} s")
     assert torch.equal(outputs[True], outputs[False])
 
@@ -157,7 +167,6 @@ def test_packed_cache_split_step_generates_the_same_tokens(name):
 def test_packed_cache_deferred_follows_the_deferred_codec(name):
     # defer=4 on CUDA (the kernel's deferred path) against the compressed cache with the plan's codecs
     # deferred alike (the float state between fits), then greedy decoding on each cache's own states
-    import time
 
     from stepquant.codecs import DeferredCodec
     from stepquant.integrations.hf_cache import CompressedStateCache
@@ -176,15 +185,9 @@ def test_packed_cache_deferred_follows_the_deferred_codec(name):
           f"prompt {continued:.1e}")
     assert max(errors) < 2e-3 and continued < 2e-3  # the CPU twin measured up to 3.3e-4
     greedy = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
-    outputs, seconds = {}, {}
-    for defer in (None, every, None, every):  # the second round is timed warm
-        cache = PackedStateCache(model.config, plan, max_batch=2, device="cuda", defer=defer)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            outputs[defer] = model.generate(ids[:, :6], past_key_values=cache, **greedy)
-        torch.cuda.synchronize()
-        seconds[defer] = time.perf_counter() - start
+    outputs, seconds = timed_generate(
+        model, ids[:, :6], greedy, (None, every),
+        lambda defer: PackedStateCache(model.config, plan, max_batch=2, device="cuda", defer=defer))
     with torch.inference_mode():
         want = model.generate(ids[:, :6], past_key_values=CompressedStateCache(model.config, codecs),
                               **greedy)
