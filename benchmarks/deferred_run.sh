@@ -12,11 +12,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
-if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
-    echo "no CUDA GPU here (use python benchmarks/bench_deferred.py --dry-run on a CPU)"
-    exit 2
-fi
-source benchmarks/carried_wheels.sh && carried_wheels
+source benchmarks/carried_wheels.sh
+has_cuda || { echo "no CUDA GPU here (use python benchmarks/bench_deferred.py --dry-run on a CPU)"; exit 2; }
+carried_wheels
 export TRITON_INTERPRET=0
 export STEPQUANT_KERNEL_CACHE="${STEPQUANT_KERNEL_CACHE:-$PWD/.kcache}"
 {

@@ -37,7 +37,7 @@ if [ -n "${DRY_RUN:-}" ]; then
     DEVICE=cpu
     EXTRA=(--threads 1)
     echo "DRY_RUN: no install, no nvcc builds, stepquant tasks on the CPU"
-elif ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+elif ! (source benchmarks/carried_wheels.sh && has_cuda); then
     echo "no CUDA GPU here: this script is for the H200 (DRY_RUN=1 checks it on a CPU)"
     exit 2
 fi

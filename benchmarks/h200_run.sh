@@ -25,11 +25,12 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
 
-if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+source benchmarks/carried_wheels.sh
+if ! has_cuda; then
     echo "no CUDA GPU here: this script is for the H200 (use bench_decode.py --dry-run on a CPU)"
     exit 2
 fi
-source benchmarks/carried_wheels.sh && carried_wheels  # .whl/ into /tmp/site; PYTHONPATH
+carried_wheels  # .whl/ into /tmp/site; PYTHONPATH
 export TRITON_INTERPRET=0  # tests/test_kernels.py would otherwise default to the CPU interpreter
 export STEPQUANT_KERNEL_CACHE="${STEPQUANT_KERNEL_CACHE:-$PWD/.kcache}"
 # autotuned Triton kernels (fla's chunk prefill) run their first configuration: seconds, not minutes, of

@@ -28,7 +28,7 @@ mkdir -p "$OUT" "$WORK"
 STEPS="$WORK/steps.txt"
 source benchmarks/carried_wheels.sh && carried_wheels  # .whl/ into /tmp/site; PYTHONPATH
 DEVICE=cuda
-python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" || DEVICE=cpu
+has_cuda || DEVICE=cpu
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__,
 'gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else 'none')" | tee "$STEPS"
 left() { echo $((BUDGET - SECONDS)); }
