@@ -14,8 +14,8 @@ refit; synthetic plans shaped like the shipped ones, as bench_decode.py's):
   writeback; "[torch gates]": the gate sum and the decay as torch ops before the kernel (b866649's way);
 - fla's own FP32 step in the same run; at batches up to --graph-below, fla, the fused step and a deferred
   cycle also replayed from a CUDA graph ("[graph]": the GPU time without Python's launch overhead);
-- with ``--source NAME=PATH`` (repeatable), the deferred rows with the split fit and torch gates also for
-  that version of packed_step.cu ("[NAME]"), timed right after the current source's on the same slots: a
+- with ``--source NAME=PATH`` (repeatable), the deferred rows also for that version of packed_step.cu
+  ("[NAME]": one pass, in-kernel gates), timed right after the current source's on the same slots: a
   kernel change is judged within one run (its Params struct must be this version's).
 
 Every time is triton.testing.do_bench's median (L2 flushed before every call; slots rotate over a pool
@@ -113,16 +113,15 @@ def using_source(path: Path):
 
 
 def prebuild(sources: dict, models: dict, bits: list[int]) -> None:
-    """The deferred path's libraries (SQ_PENDING: the readout, the writeback and, for the current source, the
-    fused fit) of every source, in parallel."""
+    """The deferred path's libraries (SQ_PENDING: the readout, the writeback, the fused fit) of every
+    source, in parallel."""
     jobs = []
     for name, spec in models.items():
         for b in bits:
             fmt = LayerFormat(bd.synthetic_plan(name, b, spec["heads"]), None, "dual_axis", QUANTIZERS[b][1])
             tables = FormatTables(fmt, bd.VALUE_DIM)
             jobs += [(path, cuda.defines_for(tables, part, spec["kda"], False, True))
-                     for part in ("readout", "writeback", "fused") for path in sources.values()
-                     if part != "fused" or path == cuda.SOURCE]
+                     for part in ("readout", "writeback", "fused") for path in sources.values()]
     target = cuda._target(torch.device(bd.DEVICE))
     started = time.time()
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
@@ -194,7 +193,7 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
                 versions = [("", cuda.SOURCE, ("fused", "kernel")),  # (tag, source, (fit, gates))
                             (" [split fit]", cuda.SOURCE, ("split", "kernel")),
                             (" [torch gates]", cuda.SOURCE, ("fused", "torch")),
-                            *((f" [{source}]", path, ("split", "torch"))
+                            *((f" [{source}]", path, ("fused", "kernel"))
                               for source, path in args.sources.items() if source != "current")]
                 for tag, path, way in versions:
                     row = f"deferred R={every} ({label}), " + "{}" + tag

@@ -201,6 +201,7 @@ def test_deferred_cache_follows_the_deferred_codec(shipped):
         errors.append(step_error(model, ours, reference, ids[:, t:t + 1]))
         ages.append(first.age)
     assert ages == [1, 2, 0, 1, 2]
+    print(f"{name}: deferred R={every} logits per decode step {', '.join(f'{e:.1e}' for e in errors)}")
     # measured: 1e-7 before the first fit, then up to 3.3e-4 (gdn) and 1.5e-4 (kda): the FP16 updates and
     # the codes that flip on a rounding boundary at the fit
     assert errors[0] < 1e-5 and max(errors) < 2e-3, errors

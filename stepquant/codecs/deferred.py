@@ -38,6 +38,14 @@ import torch
 from .base import Codec, as_fp32
 
 MAX_DEFER = 16  # the CUDA kernel takes up to 15 pending updates (kernels/decode/cuda.py MAX_PENDING)
+
+
+def check_every(every, name: str = "every") -> int:
+    """R, tokens per fit, checked: an int in 2..MAX_DEFER (R = 1 would be the inner format itself)."""
+    if isinstance(every, bool) or not isinstance(every, int) or not 2 <= every <= MAX_DEFER:
+        raise ValueError(f"{name} is R, a fit every 2..{MAX_DEFER} decode tokens; got {every!r} (R = 1 is a "
+                         "fit every token: the inner format itself)")
+    return every
 SUFFIX = re.compile(r"^(?P<base>.+)-defer(?P<every>[0-9]+)$")
 
 
@@ -77,10 +85,7 @@ class DeferredCodec(Codec):
         if getattr(self.inner, "carries_residual", False):
             raise ValueError(f"deferred fitting wraps a stateless format; {self.inner.name} already carries "
                              "state across tokens (error feedback or deferral)")
-        every = self.every
-        if isinstance(every, bool) or not isinstance(every, int) or not 2 <= every <= MAX_DEFER:
-            raise ValueError(f"a deferred format fits every 2..{MAX_DEFER} tokens, got every={self.every!r} "
-                             "(every=1 is the inner format itself)")
+        check_every(self.every)
         object.__setattr__(self, "name", f"{self.inner.name}-defer{self.every}")
 
     def encode(self, states: torch.Tensor) -> DeferredState:

@@ -64,7 +64,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import LinearAttentionLayer
 
 from stepquant.codecs import LayerFormat
-from stepquant.codecs.deferred import MAX_DEFER
+from stepquant.codecs.deferred import check_every
 from stepquant.families import KDA, SUPPORTED_MODEL_TYPES, family_for, linear_layers, shape_from_config
 from stepquant.kernels.decode import (
     backend_for,
@@ -387,9 +387,7 @@ class PackedStateCache(DynamicCache):
                              f"needs device='cuda', got {str(device)!r}")
         self.split_stream = torch.cuda.Stream(device) if split else None
         if defer is not None:
-            if isinstance(defer, bool) or not isinstance(defer, int) or not 2 <= defer <= MAX_DEFER:
-                raise ValueError(f"defer is R, a fit every 2..{MAX_DEFER} decode tokens; got {defer!r} "
-                                 "(None: a fit every token)")
+            check_every(defer, "defer")
             if split:
                 raise ValueError("split=True and defer: choose one (the deferred step fits in one pass)")
             served = (cuda.supported if device.type == "cuda" else cuda.fits)

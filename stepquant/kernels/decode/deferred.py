@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stepquant.codecs.deferred import MAX_DEFER
+from stepquant.codecs.deferred import check_every
 from stepquant.kernels.tables import FormatTables, Pages
 
 from . import cuda
@@ -43,8 +43,7 @@ class DeferredBuffers:
 
     @classmethod
     def empty(cls, tables: FormatTables, num_rows: int, every: int, kda: bool) -> DeferredBuffers:
-        if isinstance(every, bool) or not isinstance(every, int) or not 2 <= every <= MAX_DEFER:
-            raise ValueError(f"a deferred state fits every 2..{MAX_DEFER} tokens, got every={every!r}")
+        check_every(every)
         heads, key_dim, value_dim = tables.num_heads, tables.key_dim, tables.value_dim
         device = tables.device
         g_sum = torch.zeros(num_rows, heads, *((key_dim,) if kda else ()), device=device)
@@ -64,9 +63,8 @@ class DeferredBuffers:
     def state(self, fitted: torch.Tensor) -> torch.Tensor:
         """The whole state [N, H, K, V] FP32 from the last fit's dequantized codes ``fitted``:
         e^{g_sum} fitted + sum_j k_j u_j^T over the held updates (what a multi-token call starts from)."""
-        decay = torch.exp(self.g_sum)
+        decay = torch.exp(self.g_sum[..., None] if self.g_sum.dim() == 3 else self.g_sum[..., None, None])
         k, u = (t[:, :, :self.age].float() for t in (self.pend_k, self.pend_u))
-        decay = decay[..., None] if decay.dim() == 3 else decay[..., None, None]
         return fitted * decay + torch.einsum("nhjk,nhjv->nhkv", k, u)
 
     def reorder(self, rows: torch.Tensor) -> None:
@@ -114,10 +112,10 @@ def decode_deferred(tables: FormatTables, pages: Pages, slots: torch.Tensor, q, 
     if split:  # the readout stored the summed gate (gates="kernel") and decayed the held updates
         cuda.decode(tables, pages, slots, q, k, v, buffers.g_sum, beta, scale=scale,
                     use_qk_l2norm=use_qk_l2norm, out=y, part="writeback", work=work, pending=pending)
-    if fits and (split or gates == "torch"):
-        buffers.clear()
-    elif fits:
+    if not fits:
+        buffers.age = age + 1
+    elif one_pass and gates == "kernel":
         buffers.age = 0  # the fused fit stored a zero gate sum
     else:
-        buffers.age = age + 1
+        buffers.clear()
     return y

@@ -1027,10 +1027,10 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
 #pragma unroll 1
             for (int e = 0; e < p.pend_n; ++e) {
                 float kj = i < K ? __half2float(pend_k[e * K + i]) : 0.f;
-                if (decays) {  // stored back: the fit's fold reads the shared copy, later tokens the global one
+                if (decays) {  // stored back: later tokens read the global entries, the fit's fold the shared copy
                     const __half decayed = __float2half_rn(kj * decay);
-                    pend_k[e * K + i] = decayed;
                     if (SQ_PART == READOUT) pend_k_out[e * K + i] = decayed;
+                    else pend_k[e * K + i] = decayed;
                     kj = __half2float(decayed);
                 }
                 const float dk = warp_sum(k_i * kj), dq = warp_sum(q_i * kj);
