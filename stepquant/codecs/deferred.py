@@ -46,6 +46,8 @@ def check_every(every, name: str = "every") -> int:
         raise ValueError(f"{name} is R, a fit every 2..{MAX_DEFER} decode tokens; got {every!r} (R = 1 is a "
                          "fit every token: the inner format itself)")
     return every
+
+
 SUFFIX = re.compile(r"^(?P<base>.+)-defer(?P<every>[0-9]+)$")
 
 
