@@ -6,7 +6,8 @@ rank-1 updates since the last fit (FP16) beside the slot. What is timed, per mod
 budget (the shipped STEPQuant quantizers: 6 bits row fill without a refit, 4 bits row fill, mid-tread, one
 refit; synthetic plans shaped like the shipped ones, as bench_decode.py's):
 
-- "per-token fused": the shipped step (R = 1), for reference; "readout alone": the split readout;
+- "per-token fused": the shipped step (R = 1), for reference; "readout alone": the split readout (its sums
+  on tensor cores, SQ_MMA, and with the FP32 FMAs of the other parts, "FP32 sums");
 - "deferred R": a cycle of R tokens (R - 1 readouts with the pending updates, then one fit) divided by R:
   the mean per-token cost; "readout token" / "fit token": the two kinds of token alone (R - 2 and R - 1
   pending updates); one launch per token (the kernel sums the gate and decays the held updates; the fit in
@@ -100,6 +101,18 @@ def check(name: str, spec: dict, bits: int, every: int = 4, batch: int = 8, toke
 
 
 @contextlib.contextmanager
+def tuning(**knobs):
+    """cuda.TUNING with these knobs set (the libraries built and loaded for them), then as before."""
+    saved = dict(cuda.TUNING)
+    cuda.TUNING.update(knobs)
+    try:
+        yield
+    finally:
+        cuda.TUNING.clear()
+        cuda.TUNING.update(saved)
+
+
+@contextlib.contextmanager
 def using_source(path: Path):
     """cuda.decode's libraries built from this packed_step.cu inside the block."""
     current = cuda.SOURCE
@@ -159,13 +172,16 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
             extra = dict(quantizer=label, bits_per_value=slot_bytes * 8 / values)
             moved = bd.input_bytes(*inputs) + 2 * batch * slot_bytes
             work = torch.zeros(batch, heads, bd.VALUE_DIM, device=bd.DEVICE)
-            parts = (("per-token fused", "fused", None, moved),
-                     ("readout alone (split)", "readout", work, moved - batch * slot_bytes))
+            parts = (("per-token fused", "fused", None, moved, cuda.TUNING["SQ_MMA"]),
+                     ("readout alone (split)", "readout", work, moved - batch * slot_bytes,
+                      cuda.TUNING["SQ_MMA"]),
+                     ("readout alone (split, FP32 sums)", "readout", work, moved - batch * slot_bytes, 0))
             try:
-                for variant, part, buffer, part_moved in parts:
+                for variant, part, buffer, part_moved, mma in parts:
                     call = lambda s, t=tensors, x=inputs, p=part, w=buffer: cuda.decode(
                         *t, s, *x, use_qk_l2norm=True, part=p, work=w)
-                    ms = bd.bench(bd.rotating(call, slot_groups), args.warmup, args.rep)
+                    with tuning(SQ_MMA=mma):
+                        ms = bd.bench(bd.rotating(call, slot_groups), args.warmup, args.rep)
                     rec.add(name, f"{variant} ({label})", bits, batch, ms, part_moved, every=1, **extra)
                     if graphs and part == "fused":
                         ms = bd.bench_graph(call, slot_groups, args.warmup, args.rep)

@@ -82,21 +82,29 @@ def main(argv=None) -> int:
     items = [] if args.serving_only or args.deferred_only else [
         (("dual_axis", FILL_0, part, kda, part == "fused"), m) for m in ROWS_PER_CTA_TESTED
         for part in ("fused", "readout", "writeback") for kda in (False, True)]
-    defaults = dict(cuda.TUNING)  # SQ_ROWS and SQ_ITEMS: the defaults, or STEPQUANT_CUDA_ROWS / _ITEMS
+    defaults = dict(cuda.TUNING)  # the defaults, or STEPQUANT_CUDA_ROWS / _ITEMS / _MMA
+
+    def add(tables, part, kda, debug, pending=False):
+        # the readout both ways: its sums on tensor cores and on FP32 FMAs (the benchmark times both, the
+        # tests that compare the split step with the fused step bit for bit take the FP32 sums)
+        for mma in (0, 1) if part in cuda.MMA_PARTS else (defaults["SQ_MMA"],):
+            cuda.TUNING.update(SQ_MMA=mma)
+            unique[cuda.defines_for(tables, part, kda, debug, pending)] = None
+
     for (spatial, quantizer, part, kda, debug), m in [(c, defaults["SQ_ITEMS"]) for c in configs] + items:
         cuda.TUNING.update(SQ_ROWS=8 if debug == "16 warps" else defaults["SQ_ROWS"], SQ_ITEMS=m)
         bits = torch.full((1, 16), 6, dtype=torch.int8)
-        tables = FormatTables(LayerFormat(bits, None, spatial, quantizer), 128)
-        unique[cuda.defines_for(tables, part, kda, debug is True)] = None
+        add(FormatTables(LayerFormat(bits, None, spatial, quantizer), 128), part, kda, debug is True)
+    cuda.TUNING.update(defaults)
     if not args.serving_only:
         for quantizer, kda, debug in PENDING:
             tables = FormatTables(LayerFormat(torch.full((1, 16), 6, dtype=torch.int8), None, "dual_axis",
                                               quantizer), 128)
             for pending in (True, False):
-                unique[cuda.defines_for(tables, "writeback", kda, debug, pending)] = None
+                add(tables, "writeback", kda, debug, pending)
             if not debug:  # the readout with the pending terms, and the fit token in one pass
                 for part in ("readout", "fused"):
-                    unique[cuda.defines_for(tables, part, kda, False, True)] = None
+                    add(tables, part, kda, False, True)
     cuda.TUNING.update(defaults)
 
     def one(defines):

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # The deferred-fit format on a GPU in one device call (docs/kernels.md, "Deferred fitting"): installs the
 # wheels carried under .whl/ (fla-core: the FP32 baseline), writes versions (env.txt), builds the CUDA
-# libraries it uses (build_cuda.log), runs the pending-update GPU tests (gpu_tests.log), the deferred
-# PackedStateCache's GPU test (serving_tests.log) and benchmarks/bench_deferred.py (bench.log,
-# bench_deferred.json, bench_deferred.md; NO_BENCH=1 skips it), each time-boxed, and the SASS profile of the
-# pending bodies (sass.log); about 3 minutes.
+# libraries it uses (build_cuda.log), runs the pending-update and tensor-core readout GPU tests
+# (gpu_tests.log), the deferred PackedStateCache's GPU test (serving_tests.log) and
+# benchmarks/bench_deferred.py (bench.log, bench_deferred.json, bench_deferred.md; NO_BENCH=1 skips it), each
+# time-boxed, and the SASS profile of the pending and readout bodies (sass.log); about 3 minutes.
 #
 #   OUT=/some/dir bash benchmarks/deferred_run.sh      (BENCH_ARGS passes options to bench_deferred.py, e.g.
 #   BENCH_ARGS="--source old=.whl/packed_step_old.cu": another version of the kernel timed in the same run)
@@ -27,11 +27,19 @@ cat "$OUT/env.txt"
 timeout "${BUILD_TIMEOUT:-240}" python3 benchmarks/build_cuda.py --jobs "$(nproc)" --deferred-only \
     > "$OUT/build_cuda.log" 2>&1
 echo "build exit $?"; tail -n 1 "$OUT/build_cuda.log"
-# registers and instructions of the 6-bit bodies with pending updates (nvcc only; beside the tests)
-for part in readout fused writeback; do
-    timeout 120 python3 benchmarks/sass_cuda.py --kind 6 --part $part --refits 0 --row-fill --pending | tail -n 1
-done > "$OUT/sass.log" 2>&1 &
-timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_cuda_kernel.py -k "pending or deferred or fused_fit" -q -rA \
+# registers and instructions of the 6-bit bodies with pending updates, and of the readout without them, its
+# sums on tensor cores and on FP32 FMAs (nvcc only; beside the tests)
+{
+    for part in readout fused writeback; do
+        timeout 120 python3 benchmarks/sass_cuda.py --kind 6 --part $part --refits 0 --row-fill --pending | tail -n 1
+    done
+    for mma in "" --no-mma; do
+        timeout 120 python3 benchmarks/sass_cuda.py --kind 6 --part readout --refits 0 --row-fill $mma | tail -n 1
+        timeout 120 python3 benchmarks/sass_cuda.py --kind 6 --part readout --refits 0 --row-fill --pending $mma | tail -n 1
+    done
+} > "$OUT/sass.log" 2>&1 &
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -m gpu tests/test_cuda_kernel.py \
+    -k "pending or deferred or fused_fit or tensor_core" -q -rA \
     -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests exit $?"; tail -n 3 "$OUT/gpu_tests.log"
 # PackedStateCache(defer=4) with the shipped checkpoints against the deferred codec (serving_tests.log)

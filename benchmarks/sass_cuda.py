@@ -49,17 +49,24 @@ def main(argv=None) -> int:
                              "cuda.defines_for compiles for the part)")
     parser.add_argument("--pending", action="store_true",
                         help="a deferred state's pending updates (SQ_PENDING: the readout or the writeback)")
+    parser.add_argument("--min-blocks", type=int, default=None,
+                        help="CTAs per multiprocessor the registers must allow (SQ_MIN_BLOCKS; default: "
+                             "cuda.TUNING's; the tensor-core readout compiles for 5 whatever this says)")
+    parser.add_argument("--no-mma", action="store_true", help="the readout's sums on FP32 FMAs (SQ_MMA=0)")
     parser.add_argument("--source", type=Path, default=cuda.SOURCE, help="another version of packed_step.cu")
     parser.add_argument("--dump", type=Path, default=None, help="also write the body's disassembly here")
     args = parser.parse_args(argv)
     if args.items is None:
         args.items = cuda.items_for(args.part)
+    if args.min_blocks is None:
+        args.min_blocks = cuda.TUNING["SQ_MIN_BLOCKS"]
     defines = {"SQ_PART": cuda.PARTS[args.part], "SQ_DUAL": 1, "SQ_MIDRISE": 1,
                "SQ_RECIP": int(args.division == "reciprocal"), "SQ_ROW_STAT": 1, "SQ_KDA": int(args.kda),
                "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_ROW_FILL": int(args.row_fill), "SQ_DEBUG": 0,
                "SQ_ONLY_KIND": args.kind,
-               "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": cuda.TUNING["SQ_MIN_BLOCKS"], "SQ_ITEMS": args.items,
-               "SQ_PENDING": int(args.pending)}
+               "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": args.min_blocks, "SQ_ITEMS": args.items,
+               "SQ_PENDING": int(args.pending),
+               "SQ_MMA": int(args.part in cuda.MMA_PARTS and not args.no_mma)}
     values_per_thread = 4 * args.rows  # a rows x 4 tile per thread
     nvcc = cuda.nvcc_path()
     if nvcc is None:

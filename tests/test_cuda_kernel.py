@@ -176,7 +176,9 @@ def test_bf16_inputs_and_output_are_read_and_written_directly():
     assert rel_rms(out.float(), y_ref.bfloat16().float()) < 1e-3  # rounded once, to nearest even
 
 
-def test_split_readout_then_writeback():
+def test_split_readout_then_writeback(monkeypatch):
+    # with the readout's FP32 sums (SQ_MMA=0), those of the fused step; tensor cores: the test below
+    monkeypatch.setitem(cuda.TUNING, "SQ_MMA", 0)
     fused, q_heads = _layer("K112-mixed-pivots", "reciprocal-refit1", num_slots=3)
     naive_pack_states(fused, torch.arange(3, dtype=torch.int32), torch.randn(3, 4, 112, 128))
     split = clone_layer(fused)
@@ -197,6 +199,63 @@ def test_split_readout_then_writeback():
     assert all(torch.equal(a, b) for a, b in zip(fused.tensors(), split.tensors(), strict=True))
     with pytest.raises(ValueError, match="work buffer"):
         cuda.decode(split.tables, split.pages, slots, q, k, v, g, beta, part="writeback")
+
+
+def _tensor_core_readout_case(device: str, bits: torch.Tensor, q_heads: int, num_rows: int, config: str,
+                              kda: bool, pending: bool) -> None:
+    """The readout part's sums on tensor cores (SQ_MMA, the default) against its FP32 FMAs (SQ_MMA=0): y and u
+    within 2e-5 relative RMS on the heads of one width b <= 7 (their BF16 levels are exact, a k and a q keep
+    ~2^-17 per term as a BF16 high and low part), bit-identical on the heads that keep the FP32 path (8 bits,
+    mixed rows, FP16 pivots); free rows and every slot untouched."""
+    layer = make_layer(bits, value_dim=128, num_slots=num_rows, device=device, **CONFIGS[config])
+    heads, key_dim = layer.num_heads, layer.key_dim
+    all_slots = torch.arange(num_rows, dtype=torch.int32, device=device)
+    naive_pack_states(layer, all_slots, 3 * torch.randn(num_rows, heads, key_dim, 128,
+                                                        generator=torch.Generator().manual_seed(40)).to(device))
+    before = [t.clone() for t in layer.tensors()]
+    slots = all_slots.flip(0).contiguous()
+    slots[1] = -1
+    inputs = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=41, device=device)
+    held = None
+    if pending:
+        gen = torch.Generator().manual_seed(42)
+        held = ((torch.randn(num_rows, heads, 3, key_dim, generator=gen) / 8).half().to(device),
+                torch.randn(num_rows, heads, 3, 128, generator=gen).half().to(device))
+    out = {}
+    for mma in (0, 1):
+        default = cuda.TUNING["SQ_MMA"]
+        cuda.TUNING["SQ_MMA"] = mma
+        try:
+            work = torch.full((num_rows, heads, 128), float("nan"), device=device)
+            y = torch.full_like(work, float("nan"))
+            cuda.decode(layer.tables, layer.pages, slots, *inputs, use_qk_l2norm=True, out=y, part="readout",
+                        work=work, pending=held)
+        finally:
+            cuda.TUNING["SQ_MMA"] = default
+        out[mma] = y, work
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.tensors(), strict=True)), "the readout wrote"
+    active = slots >= 0
+    tensor_cores = [h for h in range(heads) if int(bits[h].min()) == int(bits[h].max()) <= 7]
+    assert tensor_cores, "no head of one width b <= 7"
+    for (fp32, mma) in zip(out[0], out[1], strict=True):
+        assert torch.isnan(mma[~active]).all()
+        for h in range(heads):
+            if h in tensor_cores:
+                error = rel_rms(mma[active, h], fp32[active, h])
+                assert 0 < error < 2e-5, (h, error)
+            else:
+                assert torch.equal(mma[active, h], fp32[active, h]), h
+
+
+@pytest.mark.parametrize(("config", "kda", "pending"), [("fill-refit0", False, False),
+                                                        ("reciprocal-refit1-midtread", True, True)],
+                         ids=["gdn-midrise", "kda-midtread-pending"])
+def test_tensor_core_readout_matches_the_fp32_sums(config, kda, pending):
+    # K = 48: a head of every width 2..8, a mixed head with FP16 pivot rows, a pivot head; 3 q/k heads
+    bits = torch.tensor([2, 3, 4, 5, 6, 7, 8, 6, 6])[:, None].expand(9, 48).to(torch.int8).clone()
+    bits[7, ::5] = PIVOT_BITS
+    bits[8] = PIVOT_BITS
+    _tensor_core_readout_case("cpu", bits, 3, 3, config, kda, pending)
 
 
 def _rows_per_cta_case(shape, config, kda, num_rows, slots, device="cpu", items=3):
@@ -339,11 +398,13 @@ def test_gpu_rowwise_absmax_and_pack():
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_split_step_orders_writebacks():
+def test_gpu_split_step_orders_writebacks(monkeypatch):
     # four tokens in a row, no host sync: the split path (readout on this stream, writeback on a side
-    # stream) must store exactly what the fused step stores, token after token
+    # stream) must store exactly what the fused step stores, token after token (with the readout's FP32 sums,
+    # SQ_MMA=0: the streams' order does not depend on them)
     from stepquant.kernels.decode import decode_step_split
 
+    monkeypatch.setitem(cuda.TUNING, "SQ_MMA", 0)
     bits = torch.tensor([4, 5, 6, 7, 8, 6] * 8, dtype=torch.int8)[:, None].expand(48, 128).clone()
     bits[7] = PIVOT_BITS
     fused = make_layer(bits, value_dim=128, num_slots=512, device="cuda", **CONFIGS["reciprocal-refit1"])
@@ -382,6 +443,19 @@ def test_gpu_rows_per_cta(kda, items):
     slots[torch.randperm(509, generator=gen)[:40]] = -1
     slots[:items] = -1  # a CTA of free rows only
     _rows_per_cta_case(shape, "fill-refit0", kda, 509, slots.cuda(), device="cuda", items=items)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize(("config", "kda", "pending"), [("fill-refit0", False, False),
+                                                        ("fill-refit1-midtread", False, True),
+                                                        ("fill-refit0", True, True)],
+                         ids=["gdn-midrise", "gdn-midtread-pending", "kda-pending"])
+def test_gpu_tensor_core_readout_matches_the_fp32_sums(config, kda, pending):
+    # the shapes of the GDN test above (48 heads at 4..8 bits, a pivot head, 16 q/k heads) at B = 512
+    bits = torch.tensor([4, 5, 6, 7, 8, 6] * 8, dtype=torch.int8)[:, None].expand(48, 128).clone()
+    bits[7] = PIVOT_BITS
+    _tensor_core_readout_case("cuda", bits, 16, 512, config, kda, pending)
 
 
 @pytest.mark.skipif(cuda.nvcc_path() is None, reason="needs nvcc")
@@ -471,7 +545,8 @@ def test_gpu_writeback_folds_pending_updates(config):
 
 def _fused_fit_case(device: str, shape: str, num_rows: int, config: str = "fill-refit0") -> None:
     """A deferred state's fit token in one pass (the fused step with SQ_PENDING) stores and returns exactly
-    what the split readout + writeback with the same pending updates do: y, codes and scales."""
+    what the split readout (with FP32 sums, SQ_MMA=0) + writeback with the same pending updates do: y, codes
+    and scales."""
     for kda in (True, False):
         fused, split, slots, q_heads = _two_copies(shape, config, num_rows, device)
         heads, key_dim = fused.num_heads, fused.key_dim
@@ -490,13 +565,15 @@ def _fused_fit_case(device: str, shape: str, num_rows: int, config: str = "fill-
         assert all(torch.equal(a, b) for a, b in zip(fused.tensors(), split.tensors(), strict=True))
 
 
-def test_fused_fit_matches_the_split_fit():
+def test_fused_fit_matches_the_split_fit(monkeypatch):
+    monkeypatch.setitem(cuda.TUNING, "SQ_MMA", 0)
     _fused_fit_case("cpu", "K112-mixed-pivots", num_rows=3)
 
 
 @pytest.mark.gpu
 @gpu
-def test_gpu_fused_fit_matches_the_split_fit():
+def test_gpu_fused_fit_matches_the_split_fit(monkeypatch):
+    monkeypatch.setitem(cuda.TUNING, "SQ_MMA", 0)
     _fused_fit_case("cuda", "K128-4b", num_rows=67)
 
 

@@ -148,11 +148,14 @@ def test_packed_cache_on_gpu_matches_the_compressed_cache(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["gdn", "kda"])
-def test_packed_cache_split_step_generates_the_same_tokens(name):
+def test_packed_cache_split_step_generates_the_same_tokens(name, monkeypatch):
     # the split step stores exactly what the fused step stores, so greedy decoding must agree token for token
-
+    # (with the readout's FP32 sums: on tensor cores, SQ_MMA, its u differs by ~1e-6 relative, and a near tie
+    # may part)
     from stepquant.integrations.packed_cache import PackedStateCache
+    from stepquant.kernels.decode import cuda
 
+    monkeypatch.setitem(cuda.TUNING, "SQ_MMA", 0)
     model, plan = shipped_on_gpu(name)
     ids = torch.randint(1, 8000, (4, 16), generator=torch.Generator().manual_seed(23)).cuda()
     greedy = dict(max_new_tokens=32, do_sample=False, pad_token_id=0)

@@ -56,19 +56,31 @@ def _tuning_from_env(name: str, default: int, allowed, what: str) -> int:
 # thread; 8: 16 warps, 8 x 4; STEPQUANT_CUDA_ROWS overrides the default), batch rows per CTA of the fused step
 # and the writeback (> 1: they copy the next row's inputs into shared memory while one row computes; 4
 # measured 3-8% faster than 1 on the H200, 2026-12-07, docs/kernels.md; the readout and the pack keep one row
-# per CTA, where rows past the first would only loop; STEPQUANT_CUDA_ITEMS overrides the default)
+# per CTA, where rows past the first would only loop; STEPQUANT_CUDA_ITEMS overrides the default), and
+# whether the readout part sums heads of one width b <= 7 on tensor cores (SQ_MMA: BF16 levels and a BF16
+# high and low part of a k, a q, FP32 sums; 1, STEPQUANT_CUDA_MMA=0 keeps the FP32 FMAs of the other parts,
+# whose sums the split readout then reproduces bit for bit)
 TUNING = {
     "SQ_MIN_BLOCKS": 2,
     "SQ_ROWS": _tuning_from_env("STEPQUANT_CUDA_ROWS", 16, (8, 16), "holds 8 or 16 key rows per warp"),
     "SQ_ITEMS": _tuning_from_env("STEPQUANT_CUDA_ITEMS", 4, range(1, 33), "steps 1 to 32 batch rows per CTA"),
+    "SQ_MMA": _tuning_from_env("STEPQUANT_CUDA_MMA", 1, (0, 1),
+                               "sums the readout on tensor cores (1) or not (0)"),
 }
 STAGED_PARTS = ("fused", "writeback")  # the parts SQ_ITEMS > 1 stages (packed_step.cu's STAGED)
+MMA_PARTS = ("readout",)  # the parts SQ_MMA compiles into (packed_step.cu's mma_readout)
 ALIGN = 16  # bytes: the staged parts copy their inputs in 16-byte chunks
 
 
 def items_for(part: str) -> int:
     """Batch rows per CTA compiled into a part: TUNING's SQ_ITEMS for the staged parts, else 1."""
     return TUNING["SQ_ITEMS"] if part in STAGED_PARTS else 1
+
+
+def mma_for(part: str) -> int:
+    """Whether a part sums the readout on tensor cores: TUNING's SQ_MMA for the readout (at 16 key rows per
+    warp), else 0."""
+    return TUNING["SQ_MMA"] if part in MMA_PARTS and TUNING["SQ_ROWS"] == 16 else 0
 
 
 class _Params(ctypes.Structure):
@@ -167,7 +179,7 @@ def defines_for(tables: FormatTables, part: str, kda: bool, debug: bool = False,
             ("SQ_ROW_STAT", ROW_STATS.index(config.row_stat)), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
             ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_ROW_FILL", int(tables.row_fill)),
             ("SQ_DEBUG", int(debug)), *((("SQ_PENDING", 1),) if pending else ()),
-            *sorted({**TUNING, "SQ_ITEMS": items_for(part)}.items()))
+            *sorted({**TUNING, "SQ_ITEMS": items_for(part), "SQ_MMA": mma_for(part)}.items()))
 
 
 def supported(tables: FormatTables) -> bool:

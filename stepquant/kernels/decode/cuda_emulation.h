@@ -33,6 +33,7 @@ struct dim3 {
     dim3() = default;
     dim3(unsigned a, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
 };
+struct uint2 { unsigned x, y; };
 struct uint4 { unsigned x, y, z, w; };
 struct int4 { int x, y, z, w; };
 struct float2 { float x, y; };
@@ -61,6 +62,7 @@ struct Cta {
     std::barrier<>* block = nullptr;
     std::vector<std::barrier<>*> warps;
     uint64_t lanes[kMaxThreads];
+    uint32_t fragments[kMaxThreads][6];  // mma_bf16_16816: each lane's A and B registers
     int any = 0;  // __syncthreads_or
 };
 inline Cta* cta = nullptr;
@@ -100,6 +102,40 @@ inline T __shfl_xor_sync(unsigned, T value, int mask) {
 
 inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
 inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32, d = A B + c, each lane's fragments as PTX lays them
+// out (g = lane / 4, t = lane % 4; a register's low half is the lower index): a[0] A[g][2t, 2t + 1], a[1]
+// A[g + 8][2t, 2t + 1], a[2] A[g][2t + 8, 2t + 9], a[3] A[g + 8][2t + 8, 2t + 9]; b[0] B[2t, 2t + 1][g], b[1]
+// B[2t + 8, 2t + 9][g]; c and d [0] [g][2t], [1] [g][2t + 1], [2] [g + 8][2t], [3] [g + 8][2t + 1]. The
+// products of BF16 values are exact in FP32; the sum runs in order of k (the tensor core's order and
+// rounding of the sum are its own: tests compare by relative error)
+inline void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const float (&c)[4]) {
+    uint32_t* mine = emu::cta->fragments[emu::tid];
+    for (int r = 0; r < 4; ++r) mine[r] = a[r];
+    mine[4] = b[0];
+    mine[5] = b[1];
+    __syncwarp();
+    const unsigned base = emu::tid & ~31u, lane = emu::tid & 31u;
+    auto half = [](uint32_t reg, int hi) { return __uint_as_float((hi ? reg >> 16 : reg & 0xFFFFu) << 16); };
+    auto A = [&](int m, int k) {
+        const uint32_t* f = emu::cta->fragments[base + (m % 8) * 4 + (k % 8) / 2];
+        return half(f[(m >= 8) + 2 * (k >= 8)], k & 1);
+    };
+    auto B = [&](int k, int n) {
+        const uint32_t* f = emu::cta->fragments[base + n * 4 + (k % 8) / 2];
+        return half(f[4 + (k >= 8)], k & 1);
+    };
+    float out[4];
+    for (int r = 0; r < 4; ++r) {
+        const int m = lane / 4 + 8 * (r >= 2), n = 2 * (lane % 4) + (r & 1);
+        float s = c[r];
+        for (int k = 0; k < 16; ++k) s += A(m, k) * B(k, n);
+        out[r] = s;
+    }
+    __syncwarp();
+    for (int r = 0; r < 4; ++r) d[r] = out[r];
+}
+
 inline uint32_t __funnelshift_r(uint32_t lo, uint32_t hi, uint32_t shift) {
     const uint64_t both = (uint64_t(hi) << 32) | lo;
     return uint32_t(both >> (shift & 31u));

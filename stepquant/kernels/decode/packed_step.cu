@@ -18,6 +18,9 @@
 //   5. codes of Y / c, refit sums (8 warps -> smem) -> refitted c; the last pass packs and stores.
 // A row's bit width is the same for the 32 lanes that hold it, so mixed-width (KDA) heads branch per
 // row without divergence; heads whose rows share one width b run a body compiled for that b.
+// The readout alone (SQ_MMA) takes step 1's sums of heads of one width b <= 7 on tensor cores instead: the
+// levels as BF16 pairs, k^T D S and q^T D S as one mma.m16n8k16 per 16 value columns of a warp ("readout on
+// tensor cores" below).
 
 #ifdef SQ_EMULATE
 #include "cuda_emulation.h"  // the CPU build that the default test suite runs
@@ -69,11 +72,15 @@
 #define SQ_PENDING 0  // 1: a deferred state's pending rank-1 updates (pend_k, pend_u): the readout adds their terms
                       // to u and y (the readout part also appends this token's k, u), the fit adds them to X
 #endif
+#ifndef SQ_MMA
+#define SQ_MMA 0  // 1: the readout part sums heads of one width b <= 7 on tensor cores (BF16 levels, FP32 sums)
+#endif
 #ifndef SQ_ITEMS
 #define SQ_ITEMS 1  // tuning: batch rows per CTA (one head); > 1 stages the next row's inputs while one computes
 #endif
 static_assert(!SQ_ROW_FILL || (SQ_DUAL && SQ_RECIP), "row fill is defined for the reciprocal dual-axis fit");
 static_assert(!SQ_PENDING || SQ_PART != 3, "pending updates: the fused step, the readout and the writeback");
+static_assert(!SQ_MMA || (SQ_PART == 1 && SQ_ROWS == 16), "tensor-core sums: the readout, 16 key rows per warp");
 
 // The launch arguments (cuda.py builds the same struct with ctypes). Outside the anonymous namespace:
 // a function taking a type of internal linkage gets internal linkage too, and ctypes could not find
@@ -135,6 +142,11 @@ constexpr float MAGIC_LEVEL = 4194304.0f;   // 2^22: bits 0x4A800000 | (code << 
 constexpr float FP16_MAX = 65504.0f;
 constexpr float SCALE_MIN = 6.103515625e-05f;  // 2^-14
 
+#ifdef SQ_EMULATE
+constexpr bool EMULATED = true;
+#else
+constexpr bool EMULATED = false;
+#endif
 enum Part { FUSED = 0, READOUT = 1, WRITEBACK = 2, PACK = 3 };
 constexpr bool DO_READOUT = SQ_PART == FUSED || SQ_PART == READOUT;
 constexpr bool DO_WRITEBACK = SQ_PART != READOUT;
@@ -167,6 +179,11 @@ constexpr int SCRATCH = COLMAX_AT + NUM_WARPS * V;
 constexpr bool OWN_READOUT_BUFFER = NUM_WARPS == 8 && SQ_PART == FUSED;
 static_assert(2 * NUM_WARPS * V <= COLMAX_AT, "refit sums must not reach the column maxima");
 static_assert(OWN_READOUT_BUFFER || 2 * NUM_WARPS * V <= SCRATCH, "readout partials fit the scratch");
+// SQ_MMA: the tensor-core partials [hi, lo][warp][V][k, q] in the stage's upper half, above any head of b <= 7 bits' code
+// words (128 rows x 28 words), so a warp writes them while others still read codes
+constexpr int MMA_PARTIALS_AT = STAGE_WORDS / 2;
+static_assert(MAX_K * 4 * 7 <= MMA_PARTIALS_AT && MMA_PARTIALS_AT + 2 * NUM_WARPS * 2 * V <= STAGE_WORDS,
+              "tensor-core partials above the codes, inside the stage");
 
 struct Shared {
     float4 row[MAX_K];        // (a k, a q, a, k) before the L2 norms: a = r_old e^g (pivot rows: e^g)
@@ -175,6 +192,7 @@ struct Shared {
     int rinfo[MAX_K];         // first word << 5 | bits
     float col[4][V];          // old column scales, u, column scales of the current codes, their reciprocals
     float red[12];
+    float half_sums[SQ_MMA ? 8 : 1];  // SQ_MMA, 7-bit mid-rise: per row warp sum_i a_i k_i, then sum_i a_i q_i
     float pend_decay;         // SQ_PENDING, GDN: e^g of this token, the decay of the held u_e (1 without pend_gate)
     int item_slot[SQ_ITEMS];  // the slots of the CTA's batch rows (STAGED)
     float pdot[SQ_PENDING && DO_READOUT ? 4 * 2 * MAX_PENDING : 1];  // [row warp][k or q][j]: k.k_j, q.k_j
@@ -513,6 +531,144 @@ __device__ __forceinline__ void store_codes_any(int* row, int b, int lane, uint3
     if (b & 4) reinterpret_cast<uint16_t*>(base)[lane] = uint16_t(c4);
     if (b & 2) base[((b & 4) << 4) + lane] = uint8_t(c2);
     if ((b & 1) && (lane & 1) == 0) base[((b & 6) << 4) + (lane >> 1)] = uint8_t(pair);
+}
+
+// ---------------------------------------------------------------- readout on tensor cores (SQ_MMA)
+// The readout part's sums k^T D S and q^T D S of a head of one width b <= 7, per warp (its 16 key rows) as
+// mma.m16n8k16 D = A B + C with BF16 inputs and FP32 sums: A is the levels transposed (16 value columns x the
+// 16 rows), B holds the rows' a k and a q, each split into a BF16 high part and the BF16 rounding of the rest
+// (B's columns 0..3: hi(a k), hi(a q), lo(a k), lo(a q); 4..7 the same), so a term keeps ~16 of FP32's 24 bits
+// (relative error ~2^-17) over FP32's range. Lane (g, t) = (lane / 4, lane % 4) decodes rows 2t, 2t + 1, 2t
+// + 8, 2t + 9 of the warp at value columns [16g, 16g + 16); MMA n takes columns 16g + 2n (A's row g) and
+// 16g + 2n + 1 (row g + 8), so a lane's outputs are its own columns (lanes t = 0 the high sums, t = 1 the low).
+// A level is exact in BF16: bits 0x4300 | code are 128 + code (b <= 7: code < 128), less 128 + 2^(b-1)
+// (mid-rise: below). Per value: one shift and one mask-and-or per plane for a pair of values, one BF16
+// subtraction per pair, 1/8 MMA; against one shift and mask-and-or per plane, a subtraction and two FMAs per
+// value on the FP32 path.
+
+__device__ __forceinline__ uint32_t bf16_bits(float x) {  // round to nearest even (x finite)
+    const uint32_t u = __float_as_uint(x);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
+// Mid-rise levels z = code - 2^(b-1) + 1/2 of b <= 6 bits enter as 2z = 2 code + 1 - 2^b (odd integers
+// below 2^b in magnitude: exact), the code one bit up with bit 0 set, and the sums are halved; at b = 7
+// (2 code + 1 would need a ninth bit) as code - 2^(b-1), the + 1/2 added as 1/2 sum_i a_i k_i (one warp sum
+// per row warp in step 0). Mid-tread levels code - 2^(b-1) are integers.
+template <int B> constexpr bool DOUBLED_LEVELS = SQ_MIDRISE && B <= 6;
+template <int B> constexpr bool HALF_SUMS = SQ_MIDRISE && B == 7;
+
+// both halves of a pair of BF16 128 + code (or 128 + 2 code + 1) less 128 + 2^(b-1) (or 128 + 2^b): exact
+template <int B>
+__device__ __forceinline__ uint32_t bf16_levels(uint32_t pair) {
+    constexpr uint32_t NEG = 0xC300u | (1u << (DOUBLED_LEVELS<B> ? B : B - 1));  // -(128 + that) in BF16
+#ifdef SQ_EMULATE
+    auto one = [](uint32_t h) { return bf16_bits(__uint_as_float(h << 16) + __uint_as_float(NEG << 16)); };
+    return one(pair & 0xFFFFu) | (one(pair >> 16) << 16);
+#else
+    uint32_t out;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(out) : "r"(pair), "r"(0x3F803F80u), "r"(NEG * 0x10001u));
+    return out;
+#endif
+}
+
+#ifndef SQ_EMULATE
+__device__ __forceinline__ void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2],
+                                               const float (&c)[4]) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%10, %11, %12, %13};"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]), "f"(c[0]), "f"(c[1]), "f"(c[2]),
+          "f"(c[3]));
+}
+#endif
+
+// the lane's plane chunks (value columns [16g, 16g + 16)) of two rows, paired per 16-bit group: a group's
+// bits of the first row in the low half, of the second in the high half (4-bit plane: 4 groups of 4
+// columns, 2-bit: 2 of 8, 1-bit: 1 of 16)
+struct PairChunks { uint32_t p4[4], p2[2], p1; };
+
+template <int B>
+__device__ __forceinline__ PairChunks load_pair_chunks(const int* row_a, const int* row_b, int g) {
+    using P = Planes<B>;
+    PairChunks c{};
+    if constexpr (P::p4 >= 0) {
+        const uint2 a = reinterpret_cast<const uint2*>(row_a + P::p4)[g];
+        const uint2 b = reinterpret_cast<const uint2*>(row_b + P::p4)[g];
+        c.p4[0] = __byte_perm(a.x, b.x, 0x5410);
+        c.p4[1] = __byte_perm(a.x, b.x, 0x7632);
+        c.p4[2] = __byte_perm(a.y, b.y, 0x5410);
+        c.p4[3] = __byte_perm(a.y, b.y, 0x7632);
+    }
+    if constexpr (P::p2 >= 0) {
+        const uint32_t a = uint32_t(row_a[P::p2 + g]), b = uint32_t(row_b[P::p2 + g]);
+        c.p2[0] = __byte_perm(a, b, 0x5410);
+        c.p2[1] = __byte_perm(a, b, 0x7632);
+    }
+    if constexpr (P::p1 >= 0) {
+        c.p1 = uint32_t(reinterpret_cast<const uint16_t*>(row_a + P::p1)[g]) |
+               (uint32_t(reinterpret_cast<const uint16_t*>(row_b + P::p1)[g]) << 16);
+    }
+    return c;
+}
+
+// the levels of column J (of the lane's 16) of both rows, as a BF16 pair: each plane's field moved to the
+// code bits it holds in both halves at once
+template <int B, int J>
+__device__ __forceinline__ uint32_t level_pair(const PairChunks& c) {
+    using P = Planes<B>;
+    constexpr int S = DOUBLED_LEVELS<B> ? 1 : 0;  // the code's first bit
+    uint32_t u = S ? 0x43014301u : 0x43004300u;
+    if constexpr (P::p4 >= 0) u = and_or<(0xFu << S) * 0x10001u>(shift_right<4 * (J % 4) - S>(c.p4[J / 4]), u);
+    if constexpr (P::p2 >= 0) {
+        constexpr int O = (B & ~3) + S;  // where the 2-bit plane's code bits go
+        u = and_or<(0x3u << O) * 0x10001u>(shift_right<2 * (J % 8) - O>(c.p2[J / 8]), u);
+    }
+    if constexpr (P::p1 >= 0) {
+        constexpr int O = (B & ~1) + S;
+        u = and_or<(0x1u << O) * 0x10001u>(shift_right<J - O>(c.p1), u);
+    }
+    return bf16_levels<B>(u);
+}
+
+// the warp's readout partials on tensor cores, stored to part[p][V][2] (p: 0 the high parts, 1 the low; each
+// column's k sum, then its q sum; part + p * stride): codes of row i at words[i * 4 B], rows[i] = (a k, a q, ..)
+template <int B>
+__device__ __forceinline__ void mma_readout(const float4* rows, const int* words, int row0, int lane, float* part,
+                                            int stride) {
+    const int g = lane >> 2, t = lane & 3;
+    const int ra = row0 + 2 * t, rb = ra + 8;  // the lane's rows: ra, ra + 1, rb, rb + 1
+    auto b_half = [&](int i) {  // B[row i][column g]: hi(a k), hi(a q), lo(a k), lo(a q), and again for g >= 4
+        const float4 rc = rows[i];
+        const float x = (g & 1) ? rc.y : rc.x;
+        const uint32_t hi = bf16_bits(x);
+        return (g & 2) ? bf16_bits(x - __uint_as_float(hi << 16)) : hi;
+    };
+    const uint32_t b[2] = {b_half(ra) | (b_half(ra + 1) << 16), b_half(rb) | (b_half(rb + 1) << 16)};
+    const PairChunks ca = load_pair_chunks<B>(words + ra * 4 * B, words + (ra + 1) * 4 * B, g);
+    const PairChunks cb = load_pair_chunks<B>(words + rb * 4 * B, words + (rb + 1) * 4 * B, g);
+    const float zero[4] = {0.f, 0.f, 0.f, 0.f};
+    // lanes t = 0 hold B's columns 0, 1 (the high parts), t = 1 columns 2, 3 (the low), t = 2, 3 the same again
+    // (columns 4..7 repeat 0..3): d = (k, q) of the MMA's first column, then of its second, stored as they are;
+    // lanes t and t + 2 store the same values to the same address (an unconditional store: behind a branch the
+    // compiler recomputed the address in each of the eight; the emulation's threads store once)
+    float4* out = reinterpret_cast<float4*>(part + (t & 1) * stride + 32 * g);
+    const bool stores = !EMULATED || t < 2;
+    auto two_columns = [&]<int N>() {  // columns 16g + 2N, 16g + 2N + 1
+        float d[4];
+        const uint32_t a[4] = {level_pair<B, 2 * N>(ca), level_pair<B, 2 * N + 1>(ca), level_pair<B, 2 * N>(cb),
+                               level_pair<B, 2 * N + 1>(cb)};
+        mma_bf16_16816(d, a, b, zero);
+        if (stores) out[N] = make_float4(d[0], d[1], d[2], d[3]);
+    };
+    two_columns.template operator()<0>();
+    two_columns.template operator()<1>();
+    two_columns.template operator()<2>();
+    two_columns.template operator()<3>();
+    two_columns.template operator()<4>();
+    two_columns.template operator()<5>();
+    two_columns.template operator()<6>();
+    two_columns.template operator()<7>();
 }
 
 // One step of the row fill's transposed butterfly: a lane holds partial maxima of 2N rows, keeps rows
@@ -902,6 +1058,7 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     const int row0 = warp * ROWS;  // this warp's first key row
     // where row i starts, in words from the head's first word (heads of one width: a fixed stride)
     auto row_offset = [&](int i) { return KIND ? i * 4 * KIND : (sm.rinfo[i] >> 5) - head.z; };
+    constexpr bool MMA = SQ_MMA && KIND >= 2 && KIND <= 7;  // step 1's sums on tensor cores (mma_readout)
     // SQ_PENDING: the held updates of (n, h), [pend_n][K] k_e and [pend_n][V] u_e, read from shared memory
     // (STAGED: stage_row's copy; else pend_copy, copied beside the code words in step 0), stored back (the
     // readout: decayed, and this token's appended) to global memory
@@ -990,6 +1147,10 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         sm.row[i] = make_float4(a * k_i, a * q_i, a, k_i);
         const float kk = warp_sum(k_i * k_i), qq = warp_sum(q_i * q_i), qk = warp_sum(q_i * k_i);
         if (lane == 0) { sm.red[warp] = kk; sm.red[4 + warp] = qq; sm.red[8 + warp] = qk; }
+        if constexpr (MMA && HALF_SUMS<KIND>) {  // the levels' + 1/2 (mma_readout sums code - 2^(b-1))
+            const float hk = warp_sum(a * k_i), hq = warp_sum(a * q_i);
+            if (lane == 0) { sm.half_sums[warp] = hk; sm.half_sums[4 + warp] = hq; }
+        }
         if (SQ_PENDING && i == 0) sm.pend_decay = SQ_KDA ? 1.f : expf(g_tok);
     } else if (column_thread(tid)) {
         const int j = tid - MAX_K;
@@ -1060,8 +1221,10 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
         if (KIND == 0) inv_c[c] = c_old[c] > 0.f ? __frcp_rn(c_old[c]) : 0.f;
     }
     const int* stage_words = reinterpret_cast<const int*>(stage);
+    float* mma_part = reinterpret_cast<float*>(stage) + MMA_PARTIALS_AT;  // MMA: [hi, lo][NUM_WARPS][V][k, q]
+    if constexpr (MMA) mma_readout<KIND>(sm.row, stage_words, row0, lane, mma_part + warp * 2 * V, NUM_WARPS * 2 * V);
 #pragma unroll
-    for (int r = 0; r < ROWS; ++r) {
+    for (int r = 0; r < (MMA ? 0 : ROWS); ++r) {
         const int i = row0 + r;
         const int b = KIND ? KIND : (sm.rinfo[i] & 31);
         row_pivot[r] = b == 16;
@@ -1110,24 +1273,37 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     }
     // the readout partials share their memory with the stage when they have no buffer of their own; the
     // other parts' next barrier (below) ends the stage's reads
-    if constexpr (DO_READOUT && !OWN_READOUT_BUFFER) __syncthreads();
+    if constexpr (DO_READOUT && !OWN_READOUT_BUFFER && !MMA) __syncthreads();
 
     // ---- 2. u and y: threads 128..255 sum k^T D S and compute u (they hold v and beta), threads 0..127
     // sum q^T D S and store y once u is there
     if constexpr (DO_READOUT) {
         const int j = tid & (V - 1);
-        float* part = OWN_READOUT_BUFFER ? sm.readout : scratch;  // [k or q][NUM_WARPS][V]
+        // [k or q][NUM_WARPS][V] (MMA: [hi, lo][NUM_WARPS][V][k, q], stored by mma_readout)
+        float* part = MMA ? mma_part : OWN_READOUT_BUFFER ? sm.readout : scratch;
+        if constexpr (!MMA) {
 #pragma unroll
-        for (int a = 0; a < 2; ++a)
-            *reinterpret_cast<float4*>(&part[(a * NUM_WARPS + warp) * V + 4 * lane]) =
-                make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]);
+            for (int a = 0; a < 2; ++a)
+                *reinterpret_cast<float4*>(&part[(a * NUM_WARPS + warp) * V + 4 * lane]) =
+                    make_float4(acc[a][0], acc[a][1], acc[a][2], acc[a][3]);
+        }
         __syncthreads();
         float qds = 0.f;  // q^T (D S)_j (threads 0..127)
         if (tid < 2 * V) {
             const int a = tid < V ? 1 : 0;
             float s = 0.f;
+            if constexpr (MMA) {  // the high and low parts, and the mid-rise levels' + 1/2
 #pragma unroll
-            for (int w = 0; w < NUM_WARPS; ++w) s += part[(a * NUM_WARPS + w) * V + j];
+                for (int w = 0; w < 2 * NUM_WARPS; ++w) s += part[w * 2 * V + 2 * j + a];
+                if constexpr (DOUBLED_LEVELS<KIND>) s *= 0.5f;
+                if constexpr (HALF_SUMS<KIND>) {
+                    const float* h = sm.half_sums + 4 * a;
+                    s = __fmaf_rn(0.5f, (h[0] + h[1]) + (h[2] + h[3]), s);
+                }
+            } else {
+#pragma unroll
+                for (int w = 0; w < NUM_WARPS; ++w) s += part[(a * NUM_WARPS + w) * V + j];
+            }
             float ds = __fmul_rn(sm.col[0][j], s) * (a ? fq : fk);  // the norms, after the sums
             if constexpr (SQ_PENDING) {  // + sum_e (k.k_e or q.k_e) u_e[j]
 #pragma unroll 1
@@ -1232,7 +1408,12 @@ __device__ void head_rows(const Params& p, Shared& sm, uint4* staged_mem, int nu
     }
 }
 
-__global__ void __launch_bounds__(THREADS, SQ_MIN_BLOCKS) packed_step_kernel(const Params p, int num_rows, int rows) {
+// SQ_MMA: the readout's CTAs are few (48 registers, ~40 KB of shared memory: five per multiprocessor); without
+// the bound the compiler took 64-72 registers for the tensor-core sums (four or three CTAs) at the same count
+// of instructions
+constexpr int MIN_BLOCKS = SQ_MMA ? 5 : SQ_MIN_BLOCKS;
+
+__global__ void __launch_bounds__(THREADS, MIN_BLOCKS) packed_step_kernel(const Params p, int num_rows, int rows) {
     __shared__ Shared sm;
 #ifdef SQ_EMULATE
     __shared__ uint4 staged_mem[DYNAMIC_BYTES_MAX / 16 + 1];
