@@ -6,13 +6,14 @@ rank-1 updates since the last fit (FP16) beside the slot. What is timed, per mod
 budget (the shipped STEPQuant quantizers: 6 bits row fill without a refit, 4 bits row fill, mid-tread, one
 refit; synthetic plans shaped like the shipped ones, as bench_decode.py's):
 
-- "per-token fused": the shipped step (R = 1), for reference; "readout alone": the split readout (its sums
-  on tensor cores, SQ_MMA, and with the FP32 FMAs of the other parts, "FP32 sums");
+- "per-token fused": the shipped step (R = 1), for reference; "readout alone": the split readout (with the
+  FP32 FMAs of the other parts, and with its sums on tensor cores, SQ_MMA: "tensor-core sums");
 - "deferred R": a cycle of R tokens (R - 1 readouts with the pending updates, then one fit) divided by R:
   the mean per-token cost; "readout token" / "fit token": the two kinds of token alone (R - 2 and R - 1
   pending updates); one launch per token (the kernel sums the gate and decays the held updates; the fit in
   one pass, the fused step with the pending updates); "[split fit]": the fit as the readout then the
   writeback; "[torch gates]": the gate sum and the decay as torch ops before the kernel (b866649's way);
+  "[tensor-core readout]": the readout tokens' sums on tensor cores (SQ_MMA=1, unless that is the default);
 - fla's own FP32 step in the same run; at batches up to --graph-below, fla, the fused step and a deferred
   cycle also replayed from a CUDA graph ("[graph]": the GPU time without Python's launch overhead);
 - with ``--source NAME=PATH`` (repeatable), the deferred rows also for that version of packed_step.cu
@@ -173,9 +174,9 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
             moved = bd.input_bytes(*inputs) + 2 * batch * slot_bytes
             work = torch.zeros(batch, heads, bd.VALUE_DIM, device=bd.DEVICE)
             parts = (("per-token fused", "fused", None, moved, cuda.TUNING["SQ_MMA"]),
-                     ("readout alone (split)", "readout", work, moved - batch * slot_bytes,
-                      cuda.TUNING["SQ_MMA"]),
-                     ("readout alone (split, FP32 sums)", "readout", work, moved - batch * slot_bytes, 0))
+                     ("readout alone (split)", "readout", work, moved - batch * slot_bytes, 0),
+                     ("readout alone (split, tensor-core sums)", "readout", work,
+                      moved - batch * slot_bytes, 1))
             try:
                 for variant, part, buffer, part_moved, mma in parts:
                     call = lambda s, t=tensors, x=inputs, p=part, w=buffer: cuda.decode(
@@ -206,15 +207,20 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
 
                 deferred_extra = dict(extra, every=every, bits_per_value=extra["bits_per_value"]
                                       + buffer_bits_per_value(every, bd.KEY_DIM, bd.VALUE_DIM))
-                versions = [("", cuda.SOURCE, ("fused", "kernel")),  # (tag, source, (fit, gates))
-                            (" [split fit]", cuda.SOURCE, ("split", "kernel")),
-                            (" [torch gates]", cuda.SOURCE, ("fused", "torch")),
-                            *((f" [{source}]", path, ("fused", "kernel"))
+                default = {"SQ_MMA": cuda.TUNING["SQ_MMA"]}
+                # (tag, source, (fit, gates), tuning knobs)
+                versions = [("", cuda.SOURCE, ("fused", "kernel"), default),
+                            (" [split fit]", cuda.SOURCE, ("split", "kernel"), default),
+                            (" [torch gates]", cuda.SOURCE, ("fused", "torch"), default),
+                            (" [tensor-core readout]", cuda.SOURCE, ("fused", "kernel"), {"SQ_MMA": 1}),
+                            *((f" [{source}]", path, ("fused", "kernel"), default)
                               for source, path in args.sources.items() if source != "current")]
-                for tag, path, way in versions:
+                for tag, path, way, knobs in versions:
+                    if tag == " [tensor-core readout]" and default["SQ_MMA"]:
+                        continue  # the default rows are those
                     row = f"deferred R={every} ({label}), " + "{}" + tag
                     try:
-                        with using_source(path):
+                        with using_source(path), tuning(**knobs):
                             ms = bd.bench(bd.rotating(lambda p, w=way: cycle(p, w), pairs), args.warmup,
                                           args.rep) / every
                             rec.add(name, row.format("per token"), bits, batch, ms, moved, **deferred_extra)

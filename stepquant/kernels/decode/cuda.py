@@ -58,13 +58,14 @@ def _tuning_from_env(name: str, default: int, allowed, what: str) -> int:
 # measured 3-8% faster than 1 on the H200, 2026-12-07, docs/kernels.md; the readout and the pack keep one row
 # per CTA, where rows past the first would only loop; STEPQUANT_CUDA_ITEMS overrides the default), and
 # whether the readout part sums heads of one width b <= 7 on tensor cores (SQ_MMA: BF16 levels and a BF16
-# high and low part of a k, a q, FP32 sums; 1, STEPQUANT_CUDA_MMA=0 keeps the FP32 FMAs of the other parts,
-# whose sums the split readout then reproduces bit for bit)
+# high and low part of a k, a q, FP32 sums; checked on the CPU emulation only so far, so off by default until
+# a GPU run has passed its test and timed it: STEPQUANT_CUDA_MMA=1 turns it on; off, the readout's FP32 FMAs
+# are the other parts', whose sums the split readout then reproduces bit for bit)
 TUNING = {
     "SQ_MIN_BLOCKS": 2,
     "SQ_ROWS": _tuning_from_env("STEPQUANT_CUDA_ROWS", 16, (8, 16), "holds 8 or 16 key rows per warp"),
     "SQ_ITEMS": _tuning_from_env("STEPQUANT_CUDA_ITEMS", 4, range(1, 33), "steps 1 to 32 batch rows per CTA"),
-    "SQ_MMA": _tuning_from_env("STEPQUANT_CUDA_MMA", 1, (0, 1),
+    "SQ_MMA": _tuning_from_env("STEPQUANT_CUDA_MMA", 0, (0, 1),
                                "sums the readout on tensor cores (1) or not (0)"),
 }
 STAGED_PARTS = ("fused", "writeback")  # the parts SQ_ITEMS > 1 stages (packed_step.cu's STAGED)

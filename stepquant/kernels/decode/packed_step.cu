@@ -1408,10 +1408,14 @@ __device__ void head_rows(const Params& p, Shared& sm, uint4* staged_mem, int nu
     }
 }
 
-// SQ_MMA: the readout's CTAs are few (48 registers, ~40 KB of shared memory: five per multiprocessor); without
-// the bound the compiler took 64-72 registers for the tensor-core sums (four or three CTAs) at the same count
-// of instructions
-constexpr int MIN_BLOCKS = SQ_MMA ? 5 : SQ_MIN_BLOCKS;
+// SQ_MMA: the readout's CTAs are small (~40 KB of shared memory: five per multiprocessor), and five need 48
+// registers; without the bound the compiler took 64-72 registers for the tensor-core sums (four or three CTAs)
+// at the same count of instructions (the library with every body and the pending updates then spills 40-64
+// bytes; SQ_MMA_MIN_BLOCKS=4 allows 64 registers: not yet timed against each other)
+#ifndef SQ_MMA_MIN_BLOCKS
+#define SQ_MMA_MIN_BLOCKS 5
+#endif
+constexpr int MIN_BLOCKS = SQ_MMA ? SQ_MMA_MIN_BLOCKS : SQ_MIN_BLOCKS;
 
 __global__ void __launch_bounds__(THREADS, MIN_BLOCKS) packed_step_kernel(const Params p, int num_rows, int rows) {
     __shared__ Shared sm;
