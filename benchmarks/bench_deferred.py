@@ -102,18 +102,6 @@ def check(name: str, spec: dict, bits: int, every: int = 4, batch: int = 8, toke
 
 
 @contextlib.contextmanager
-def tuning(**knobs):
-    """cuda.TUNING with these knobs set (the libraries built and loaded for them), then as before."""
-    saved = dict(cuda.TUNING)
-    cuda.TUNING.update(knobs)
-    try:
-        yield
-    finally:
-        cuda.TUNING.clear()
-        cuda.TUNING.update(saved)
-
-
-@contextlib.contextmanager
 def using_source(path: Path):
     """cuda.decode's libraries built from this packed_step.cu inside the block."""
     current = cuda.SOURCE
@@ -173,15 +161,15 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
             extra = dict(quantizer=label, bits_per_value=slot_bytes * 8 / values)
             moved = bd.input_bytes(*inputs) + 2 * batch * slot_bytes
             work = torch.zeros(batch, heads, bd.VALUE_DIM, device=bd.DEVICE)
-            parts = (("per-token fused", "fused", None, moved, cuda.TUNING["SQ_MMA"]),
-                     ("readout alone (split)", "readout", work, moved - batch * slot_bytes, 0),
+            parts = (("per-token fused", "fused", None, moved, {}),  # (variant, part, work, bytes, knobs)
+                     ("readout alone (split)", "readout", work, moved - batch * slot_bytes, {"SQ_MMA": 0}),
                      ("readout alone (split, tensor-core sums)", "readout", work,
-                      moved - batch * slot_bytes, 1))
+                      moved - batch * slot_bytes, {"SQ_MMA": 1}))
             try:
-                for variant, part, buffer, part_moved, mma in parts:
+                for variant, part, buffer, part_moved, knobs in parts:
                     call = lambda s, t=tensors, x=inputs, p=part, w=buffer: cuda.decode(
                         *t, s, *x, use_qk_l2norm=True, part=p, work=w)
-                    with tuning(SQ_MMA=mma):
+                    with cuda.tuning(**knobs):
                         ms = bd.bench(bd.rotating(call, slot_groups), args.warmup, args.rep)
                     rec.add(name, f"{variant} ({label})", bits, batch, ms, part_moved, every=1, **extra)
                     if graphs and part == "fused":
@@ -207,20 +195,18 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
 
                 deferred_extra = dict(extra, every=every, bits_per_value=extra["bits_per_value"]
                                       + buffer_bits_per_value(every, bd.KEY_DIM, bd.VALUE_DIM))
-                default = {"SQ_MMA": cuda.TUNING["SQ_MMA"]}
-                # (tag, source, (fit, gates), tuning knobs)
-                versions = [("", cuda.SOURCE, ("fused", "kernel"), default),
-                            (" [split fit]", cuda.SOURCE, ("split", "kernel"), default),
-                            (" [torch gates]", cuda.SOURCE, ("fused", "torch"), default),
-                            (" [tensor-core readout]", cuda.SOURCE, ("fused", "kernel"), {"SQ_MMA": 1}),
-                            *((f" [{source}]", path, ("fused", "kernel"), default)
+                # (tag, source, (fit, gates), tuning knobs); the tensor-core readout unless it is the default
+                versions = [("", cuda.SOURCE, ("fused", "kernel"), {}),
+                            (" [split fit]", cuda.SOURCE, ("split", "kernel"), {}),
+                            (" [torch gates]", cuda.SOURCE, ("fused", "torch"), {}),
+                            *([(" [tensor-core readout]", cuda.SOURCE, ("fused", "kernel"), {"SQ_MMA": 1})]
+                              if not cuda.TUNING["SQ_MMA"] else []),
+                            *((f" [{source}]", path, ("fused", "kernel"), {})
                               for source, path in args.sources.items() if source != "current")]
                 for tag, path, way, knobs in versions:
-                    if tag == " [tensor-core readout]" and default["SQ_MMA"]:
-                        continue  # the default rows are those
                     row = f"deferred R={every} ({label}), " + "{}" + tag
                     try:
-                        with using_source(path), tuning(**knobs):
+                        with using_source(path), cuda.tuning(**knobs):
                             ms = bd.bench(bd.rotating(lambda p, w=way: cycle(p, w), pairs), args.warmup,
                                           args.rep) / every
                             rec.add(name, row.format("per token"), bits, batch, ms, moved, **deferred_extra)

@@ -88,14 +88,13 @@ def main(argv=None) -> int:
         # the readout both ways: its sums on tensor cores and on FP32 FMAs (the benchmark times both, the
         # tests that compare the split step with the fused step bit for bit take the FP32 sums)
         for mma in (0, 1) if part in cuda.MMA_PARTS else (defaults["SQ_MMA"],):
-            cuda.TUNING.update(SQ_MMA=mma)
-            unique[cuda.defines_for(tables, part, kda, debug, pending)] = None
+            with cuda.tuning(SQ_MMA=mma):
+                unique[cuda.defines_for(tables, part, kda, debug, pending)] = None
 
     for (spatial, quantizer, part, kda, debug), m in [(c, defaults["SQ_ITEMS"]) for c in configs] + items:
-        cuda.TUNING.update(SQ_ROWS=8 if debug == "16 warps" else defaults["SQ_ROWS"], SQ_ITEMS=m)
         bits = torch.full((1, 16), 6, dtype=torch.int8)
-        add(FormatTables(LayerFormat(bits, None, spatial, quantizer), 128), part, kda, debug is True)
-    cuda.TUNING.update(defaults)
+        with cuda.tuning(SQ_ROWS=8 if debug == "16 warps" else defaults["SQ_ROWS"], SQ_ITEMS=m):
+            add(FormatTables(LayerFormat(bits, None, spatial, quantizer), 128), part, kda, debug is True)
     if not args.serving_only:
         for quantizer, kda, debug in PENDING:
             tables = FormatTables(LayerFormat(torch.full((1, 16), 6, dtype=torch.int8), None, "dual_axis",
@@ -105,7 +104,6 @@ def main(argv=None) -> int:
             if not debug:  # the readout with the pending terms, and the fit token in one pass
                 for part in ("readout", "fused"):
                     add(tables, part, kda, False, True)
-    cuda.TUNING.update(defaults)
 
     def one(defines):
         t0 = time.time()

@@ -12,6 +12,7 @@ wheel.
 
     python benchmarks/sass_cuda.py                            # 6-bit GDN body, reciprocal quantizer, fused
     python benchmarks/sass_cuda.py --kind 0 --kda --part readout
+    python benchmarks/sass_cuda.py --kind -1 --part readout --pending   # the whole library: registers, spills
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--kind", type=int, default=6, help="head body: a width 2..8, or 0 (mixed rows)")
+    parser.add_argument("--kind", type=int, default=6,
+                        help="head body: a width 2..8, or 0 (mixed rows); -1: the library with every body "
+                             "(registers and spills only)")
     parser.add_argument("--part", choices=list(cuda.PARTS), default="fused")
     parser.add_argument("--division", choices=["reciprocal", "exact"], default="reciprocal")
     parser.add_argument("--refits", type=int, default=1)
@@ -63,7 +66,7 @@ def main(argv=None) -> int:
     defines = {"SQ_PART": cuda.PARTS[args.part], "SQ_DUAL": 1, "SQ_MIDRISE": 1,
                "SQ_RECIP": int(args.division == "reciprocal"), "SQ_ROW_STAT": 1, "SQ_KDA": int(args.kda),
                "SQ_CLIPPED": 0x1C, "SQ_REFITS": args.refits, "SQ_ROW_FILL": int(args.row_fill), "SQ_DEBUG": 0,
-               "SQ_ONLY_KIND": args.kind,
+               **({"SQ_ONLY_KIND": args.kind} if args.kind >= 0 else {}),
                "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": args.min_blocks, "SQ_ITEMS": args.items,
                "SQ_PENDING": int(args.pending),
                "SQ_MMA": int(args.part in cuda.MMA_PARTS and not args.no_mma)}
@@ -84,6 +87,12 @@ def main(argv=None) -> int:
         args.dump.write_text(sass)
     resources = re.search(r"Used (\d+) registers", build.stderr)
     stack = re.search(r"(\d+) bytes stack frame", build.stderr)
+    if args.kind < 0:
+        spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", build.stderr)
+        print(json.dumps({"kind": "every body", "part": args.part, "registers": int(resources.group(1)),
+                          "stack": int(stack.group(1)), "spill_stores": int(spills.group(1)),
+                          "spill_loads": int(spills.group(2))}))
+        return 0
     ops = []
     for line in sass.splitlines():
         match = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", line)

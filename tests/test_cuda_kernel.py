@@ -203,8 +203,8 @@ def test_split_readout_then_writeback(monkeypatch):
 
 def _tensor_core_readout_case(device: str, bits: torch.Tensor, q_heads: int, num_rows: int, config: str,
                               kda: bool, pending: bool) -> None:
-    """The readout part's sums on tensor cores (SQ_MMA, the default) against its FP32 FMAs (SQ_MMA=0): y and u
-    within 2e-5 relative RMS on the heads of one width b <= 7 (their BF16 levels are exact, a k and a q keep
+    """The readout part's sums on tensor cores (SQ_MMA=1) against its FP32 FMAs (SQ_MMA=0, the default): y and
+    u within 2e-5 relative RMS on the heads of one width b <= 7 (their BF16 levels are exact, a k and a q keep
     ~2^-17 per term as a BF16 high and low part), bit-identical on the heads that keep the FP32 path (8 bits,
     mixed rows, FP16 pivots); free rows and every slot untouched."""
     layer = make_layer(bits, value_dim=128, num_slots=num_rows, device=device, **CONFIGS[config])
@@ -223,28 +223,27 @@ def _tensor_core_readout_case(device: str, bits: torch.Tensor, q_heads: int, num
                 torch.randn(num_rows, heads, 3, 128, generator=gen).half().to(device))
     out = {}
     for mma in (0, 1):
-        default = cuda.TUNING["SQ_MMA"]
-        cuda.TUNING["SQ_MMA"] = mma
-        try:
-            work = torch.full((num_rows, heads, 128), float("nan"), device=device)
-            y = torch.full_like(work, float("nan"))
+        work = torch.full((num_rows, heads, 128), float("nan"), device=device)
+        y = torch.full_like(work, float("nan"))
+        with cuda.tuning(SQ_MMA=mma):
             cuda.decode(layer.tables, layer.pages, slots, *inputs, use_qk_l2norm=True, out=y, part="readout",
                         work=work, pending=held)
-        finally:
-            cuda.TUNING["SQ_MMA"] = default
         out[mma] = y, work
     assert all(torch.equal(a, b) for a, b in zip(before, layer.tensors(), strict=True)), "the readout wrote"
     active = slots >= 0
     tensor_cores = [h for h in range(heads) if int(bits[h].min()) == int(bits[h].max()) <= 7]
     assert tensor_cores, "no head of one width b <= 7"
+    errors = []
     for (fp32, mma) in zip(out[0], out[1], strict=True):
         assert torch.isnan(mma[~active]).all()
         for h in range(heads):
             if h in tensor_cores:
-                error = rel_rms(mma[active, h], fp32[active, h])
-                assert 0 < error < 2e-5, (h, error)
+                errors.append(rel_rms(mma[active, h], fp32[active, h]))
+                assert 0 < errors[-1] < 2e-5, (h, errors[-1])
             else:
                 assert torch.equal(mma[active, h], fp32[active, h]), h
+    print(f"tensor-core readout, y and u against the FP32 sums: relative RMS {min(errors):.1e} to "
+          f"{max(errors):.1e}")
 
 
 @pytest.mark.parametrize(("config", "kda", "pending"), [("fill-refit0", False, False),
@@ -276,10 +275,9 @@ def _rows_per_cta_case(shape, config, kda, num_rows, slots, device="cpu", items=
 
     q, k, v, g, beta = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=21, device=device)
     q, k, v, beta = (offset(t) for t in (q, k, v, beta))
-    outputs, default = {}, cuda.TUNING["SQ_ITEMS"]
+    outputs = {}
     for rows in (1, items):
-        cuda.TUNING["SQ_ITEMS"] = rows
-        try:
+        with cuda.tuning(SQ_ITEMS=rows):
             fused, split = clone_layer(base), clone_layer(base)
             y = torch.full((num_rows, heads, 128), float("nan"), device=device)
             debug = {}
@@ -292,8 +290,6 @@ def _rows_per_cta_case(shape, config, kda, num_rows, slots, device="cpu", items=
                         work=work)
             cuda.decode(*tensors, slots, q, k, v, g, beta, use_qk_l2norm=True, out=y_split, part="writeback",
                         work=work)
-        finally:
-            cuda.TUNING["SQ_ITEMS"] = default
         outputs[rows] = [y, y_split, *debug.values(), *fused.tensors(), *split.tensors()]
     for one, staged in zip(outputs[1], outputs[items], strict=True):
         torch.testing.assert_close(staged, one, rtol=0, atol=0, equal_nan=True)

@@ -16,6 +16,7 @@ K a multiple of 16 up to 128); decode_step falls back to the Triton kernel other
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -76,6 +77,19 @@ ALIGN = 16  # bytes: the staged parts copy their inputs in 16-byte chunks
 def items_for(part: str) -> int:
     """Batch rows per CTA compiled into a part: TUNING's SQ_ITEMS for the staged parts, else 1."""
     return TUNING["SQ_ITEMS"] if part in STAGED_PARTS else 1
+
+
+@contextlib.contextmanager
+def tuning(**knobs):
+    """TUNING with these knobs set inside the block (launches build and load the libraries for them), then
+    as it was."""
+    saved = dict(TUNING)
+    TUNING.update(knobs)
+    try:
+        yield
+    finally:
+        TUNING.clear()
+        TUNING.update(saved)
 
 
 def mma_for(part: str) -> int:

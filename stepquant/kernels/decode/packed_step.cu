@@ -179,8 +179,8 @@ constexpr int SCRATCH = COLMAX_AT + NUM_WARPS * V;
 constexpr bool OWN_READOUT_BUFFER = NUM_WARPS == 8 && SQ_PART == FUSED;
 static_assert(2 * NUM_WARPS * V <= COLMAX_AT, "refit sums must not reach the column maxima");
 static_assert(OWN_READOUT_BUFFER || 2 * NUM_WARPS * V <= SCRATCH, "readout partials fit the scratch");
-// SQ_MMA: the tensor-core partials [hi, lo][warp][V][k, q] in the stage's upper half, above any head of b <= 7 bits' code
-// words (128 rows x 28 words), so a warp writes them while others still read codes
+// SQ_MMA: the tensor-core partials [hi, lo][warp][V][k, q] in the stage's upper half, above any head of b <= 7
+// bits' code words (128 rows x 28 words), so a warp writes them while others still read codes
 constexpr int MMA_PARTIALS_AT = STAGE_WORDS / 2;
 static_assert(MAX_K * 4 * 7 <= MMA_PARTIALS_AT && MMA_PARTIALS_AT + 2 * NUM_WARPS * 2 * V <= STAGE_WORDS,
               "tensor-core partials above the codes, inside the stage");
@@ -428,12 +428,16 @@ __device__ __forceinline__ float load_in(const void* base, long long i, bool bf1
     return static_cast<const float*>(base)[i];
 }
 
+// the BF16 bits of a finite x, rounded to nearest even as torch's FP32 -> BF16 conversion
+__device__ __forceinline__ uint32_t bf16_bits(float x) {
+    const uint32_t u = __float_as_uint(x);
+    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+}
+
 __device__ __forceinline__ void store_out(void* base, long long i, float x, bool bf16) {
-    if (bf16) {
-        // round to nearest even, as torch's FP32 -> BF16 conversion (NaN stays NaN)
-        const uint32_t u = __float_as_uint(x);
-        const uint32_t r = (x != x) ? (u | 0x00400000u) : u + 0x7FFFu + ((u >> 16) & 1u);
-        static_cast<uint16_t*>(base)[i] = uint16_t(r >> 16);
+    if (bf16) {  // NaN stays NaN (quiet)
+        const uint32_t r = (x != x) ? (__float_as_uint(x) | 0x00400000u) >> 16 : bf16_bits(x);
+        static_cast<uint16_t*>(base)[i] = uint16_t(r);
     } else {
         static_cast<float*>(base)[i] = x;
     }
@@ -545,11 +549,6 @@ __device__ __forceinline__ void store_codes_any(int* row, int b, int lane, uint3
 // (mid-rise: below). Per value: one shift and one mask-and-or per plane for a pair of values, one BF16
 // subtraction per pair, 1/8 MMA; against one shift and mask-and-or per plane, a subtraction and two FMAs per
 // value on the FP32 path.
-
-__device__ __forceinline__ uint32_t bf16_bits(float x) {  // round to nearest even (x finite)
-    const uint32_t u = __float_as_uint(x);
-    return (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
-}
 
 // Mid-rise levels z = code - 2^(b-1) + 1/2 of b <= 6 bits enter as 2z = 2 code + 1 - 2^b (odd integers
 // below 2^b in magnitude: exact), the code one bit up with bit 0 set, and the sums are halved; at b = 7
@@ -1222,7 +1221,8 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     }
     const int* stage_words = reinterpret_cast<const int*>(stage);
     float* mma_part = reinterpret_cast<float*>(stage) + MMA_PARTIALS_AT;  // MMA: [hi, lo][NUM_WARPS][V][k, q]
-    if constexpr (MMA) mma_readout<KIND>(sm.row, stage_words, row0, lane, mma_part + warp * 2 * V, NUM_WARPS * 2 * V);
+    if constexpr (MMA)
+        mma_readout<KIND>(sm.row, stage_words, row0, lane, mma_part + warp * 2 * V, NUM_WARPS * 2 * V);
 #pragma unroll
     for (int r = 0; r < (MMA ? 0 : ROWS); ++r) {
         const int i = row0 + r;
