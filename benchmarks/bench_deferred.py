@@ -62,11 +62,13 @@ from stepquant.recurrence import prepare_qk, step  # noqa: E402
 QUANTIZERS = {6: ("row fill, no refit", bd.FILL_0), 4: ("row fill, mid-tread, 1 refit", bd.FILL_MIDTREAD_1)}
 
 
-def buffer_bits_per_value(every: int, key_dim: int, value_dim: int) -> float:
-    """What a deferred state holds beside its codes (DeferredCodec.storage_bits' count), per state value."""
-    inner, dims = make_codec("fp32"), (1, key_dim, value_dim)
-    extra = DeferredCodec(inner, every).storage_bits(*dims) - inner.storage_bits(*dims)
-    return extra / (key_dim * value_dim)
+def buffer_bits_per_value(every: int, spec: dict, key_dim: int, value_dim: int) -> float:
+    """What a deferred state holds beside its codes (DeferredCodec.storage_bits' count for the model's
+    layout), per state value."""
+    heads, key_heads, kda = spec["heads"], spec["key_heads"], spec["kda"]
+    inner, dims = make_codec("fp32"), (heads, key_dim, value_dim)
+    codec = DeferredCodec(inner, every, shared_keys=1 if kda else heads // key_heads, head_gate=not kda)
+    return (codec.storage_bits(*dims) - inner.storage_bits(*dims)) / (heads * key_dim * value_dim)
 
 
 def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -81,7 +83,7 @@ def check(name: str, spec: dict, bits: int, every: int = 4, batch: int = 8, toke
     slots = torch.arange(batch, dtype=torch.int32, device=bd.DEVICE)
     state = last_fit = unpack(layer.gather(slots.long())).dequantize()
     codec = layer.format.codec()
-    buffers = DeferredBuffers.empty(layer.tables, batch, every, kda)
+    buffers = DeferredBuffers.empty(layer.tables, batch, every, kda, key_heads)
     errors, fit_excess, untouched = [], [], True
     for t in range(tokens):
         q, k, v, g, beta = (x.float() for x in bd.token_inputs(batch, heads, key_heads, kda, seed=t))
@@ -179,7 +181,8 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
             except Exception:
                 bd.log(traceback.format_exc())
             for every in args.every:
-                buffers = [DeferredBuffers.empty(layer.tables, batch, every, kda) for _ in slot_groups]
+                buffers = [DeferredBuffers.empty(layer.tables, batch, every, kda, key_heads)
+                           for _ in slot_groups]
                 pairs = list(zip(slot_groups, buffers, strict=True))
 
                 def cycle(pair, way, every=every, t=tensors, x=inputs):

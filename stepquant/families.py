@@ -46,6 +46,7 @@ class StateDims(NamedTuple):
     conv_kernel: int
     conv_channels: int
     kv_values_per_layer: int
+    key_heads: int  # q/k heads (GDN: linear_num_key_heads, each shared by heads / key_heads; KDA: heads)
 
 
 @dataclass(frozen=True)
@@ -226,6 +227,7 @@ class ModelShape:
     source: str = ""
     model_type: str = ""
     layer_indices: tuple[int, ...] = ()
+    key_heads: int | None = None  # q/k heads per layer (GDN's are shared by heads / key_heads value heads)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -238,6 +240,8 @@ class ModelShape:
         for field_name in ("full_attention_layers", "conv_state_bytes", "kv_bytes_per_token"):
             if getattr(self, field_name) is not None:
                 check_count(getattr(self, field_name), field_name, allow_zero=True)
+        if self.key_heads is not None:
+            check_count(self.key_heads, "key_heads")
         pairs = self.weight_bytes
         if not isinstance(pairs, tuple) or not all(
             isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str) for item in pairs
@@ -318,6 +322,7 @@ def shape_from_config(config, name: str | None = None) -> ModelShape:
         heads=dims.heads,
         key_dim=dims.key_dim,
         value_dim=dims.value_dim,
+        key_heads=dims.key_heads,
         full_attention_layers=full,
         conv_state_bytes=linear * (dims.conv_kernel - 1) * dims.conv_channels * elem,
         kv_bytes_per_token=full * dims.kv_values_per_layer * elem,
@@ -334,7 +339,7 @@ def _gdn_state(lm: LanguageModelConfig) -> StateDims:
     value_dim = lm.get("linear_value_head_dim")
     return StateDims(heads, key_dim, value_dim, lm.get("linear_conv_kernel_dim"),
                      2 * lm.get("linear_num_key_heads") * key_dim + heads * value_dim,
-                     2 * lm.get("num_key_value_heads") * lm.get("head_dim"))
+                     2 * lm.get("num_key_value_heads") * lm.get("head_dim"), lm.get("linear_num_key_heads"))
 
 
 def _gdn_layer_types(lm: LanguageModelConfig, num_layers: int) -> list[str]:
@@ -348,7 +353,7 @@ def _kda_state(lm: LanguageModelConfig) -> StateDims:
     head_dim = linear_cfg.get("head_dim", lm.get("linear_head_dim"))
     kernel = linear_cfg.get("short_conv_kernel_size", lm.get("linear_conv_kernel_dim"))
     return StateDims(heads, head_dim, head_dim, kernel, 3 * heads * head_dim,
-                     lm.get("kv_lora_rank") + lm.get("qk_rope_head_dim"))
+                     lm.get("kv_lora_rank") + lm.get("qk_rope_head_dim"), heads)
 
 
 def _kda_layer_types(lm: LanguageModelConfig, num_layers: int) -> list[str]:

@@ -60,7 +60,7 @@ def _plan(name: str) -> tuple[torch.Tensor, int]:
         bits[2], bits[3] = PIVOT_BITS, 2
         return bits.to(torch.int8), 2
     if name == "K48-uniform-3578":  # every plane combination with a 1-bit plane, and the 8-bit plane
-        return torch.tensor([3, 5, 7, 8])[:, None].expand(4, 48).to(torch.int8).clone(), 4
+        return torch.tensor([3, 5, 7, 8])[:, None].expand(4, 48).to(torch.int8).clone(), 2
     if name == "K128-4b":  # clip < 1: the codes are clamped to the grid
         return torch.full((2, 128), 4, dtype=torch.int8), 1
     raise KeyError(name)
@@ -522,7 +522,12 @@ def test_writeback_folds_pending_updates(config):
     from stepquant.kernels.decode.deferred import DeferredBuffers
 
     with pytest.raises(ValueError, match="every 2..16"):  # the kernel holds at most 15 pending updates
-        DeferredBuffers.empty(kernel.tables, 3, every=17, kda=True)
+        DeferredBuffers.empty(kernel.tables, 3, every=17, kda=True, key_heads=2)
+    with pytest.raises(ValueError, match="divisor of its 4 value heads"):
+        DeferredBuffers.empty(kernel.tables, 3, every=4, kda=False, key_heads=3)
+    with pytest.raises(ValueError, match="HK = 2"):  # GDN's k_j: one per q/k head
+        cuda.decode(kernel.tables, kernel.pages, slots, *inputs[:3], inputs[3][..., 0], inputs[4],
+                    part="fused", pending=(pend_k, pend_u))
     with pytest.raises(ValueError, match="contiguous FP16"):
         cuda.decode(kernel.tables, kernel.pages, slots, *inputs, part="writeback", work=work,
                     pending=(pend_k.float(), pend_u))
@@ -548,7 +553,8 @@ def _fused_fit_case(device: str, shape: str, num_rows: int, config: str = "fill-
         heads, key_dim = fused.num_heads, fused.key_dim
         inputs = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=23, device=device)
         gen = torch.Generator().manual_seed(24)
-        pending = ((torch.randn(num_rows, heads, 3, key_dim, generator=gen) / 8).half().to(device),
+        key_heads = heads if kda else q_heads  # GDN: one k_j per q/k head
+        pending = ((torch.randn(num_rows, key_heads, 3, key_dim, generator=gen) / 8).half().to(device),
                    torch.randn(num_rows, heads, 3, 128, generator=gen).half().to(device))
         y_fused = cuda.decode(fused.tables, fused.pages, slots, *inputs, use_qk_l2norm=True, pending=pending)
         work = torch.zeros(num_rows, heads, 128, device=device)
@@ -588,7 +594,7 @@ def _deferred_case(device: str, shape: str, num_rows: int, tokens: int = 7, ever
         naive_pack_states(layer, slots, start.to(device))
         state = last_fit = unpack(layer.gather(slots.long())).dequantize()
         codec = layer.format.codec()
-        buffers = DeferredBuffers.empty(layer.tables, num_rows, every=every, kda=kda)
+        buffers = DeferredBuffers.empty(layer.tables, num_rows, every=every, kda=kda, key_heads=q_heads)
         errors, ages = [], []
         for t in range(tokens):
             q, k, v, g, beta = token_inputs(num_rows, heads, q_heads, key_dim, 128, kda, seed=30 + t,

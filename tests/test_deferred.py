@@ -51,6 +51,14 @@ def test_names_bytes_and_errors():
         make_codec("int4-defer2").requantize(states((1, 1, 16, 8)), torch.zeros(1))
     with pytest.raises(TypeError, match="Codec"):
         DeferredCodec("int4", 2)
+    # GDN's layout: one k_j per q/k head (4 value heads each here), one gate per head
+    inner = make_codec("int6")
+    gdn = DeferredCodec(inner, 4, shared_keys=4, head_gate=True)
+    assert gdn.storage_bits(*dims) - inner.storage_bits(*dims) == 3 * (2 * 128 + 8 * 128) * 16 + 8 * 32
+    with pytest.raises(ValueError, match="groups of 3"):
+        DeferredCodec(inner, 4, shared_keys=3).storage_bits(*dims)
+    with pytest.raises(ValueError, match="value heads per stored k_j"):
+        DeferredCodec(inner, 4, shared_keys=0)
 
 
 def test_quantized_loop_fits_every_r_tokens():

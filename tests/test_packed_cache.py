@@ -209,10 +209,16 @@ def test_deferred_cache_follows_the_deferred_codec(shipped):
     assert step_error(model, ours, reference, ids[:, 11:13]) < 2e-3
     assert first.age == 0 and not first.g_sum.any()
     shape = shape_from_config(model.config.to_dict())
-    gate = shape.key_dim if name == "kda" else 1  # KDA sums a gate per key row, GDN one per head
-    per_head = 4 * gate + (every - 1) * (shape.key_dim + shape.value_dim) * 2
+    # KDA sums a gate per key row and holds k_j per head; GDN one gate per head, k_j per q/k head
+    gate, key_heads = (shape.key_dim, shape.heads) if name == "kda" else (1, shape.key_heads)
+    assert name == "kda" or key_heads < shape.heads  # the shipped gdn model shares its k_j
+    held = (shape.heads * (4 * gate + (every - 1) * shape.value_dim * 2)
+            + key_heads * (every - 1) * shape.key_dim * 2)
     layers = len(ours.linear_layers)
-    assert ours.state_bytes()["deferred_bytes_per_request"] == per_head * shape.heads * layers
+    assert ours.state_bytes()["deferred_bytes_per_request"] == held * layers
+    inner, dims = plan.codec(0), (shape.heads, shape.key_dim, shape.value_dim)
+    counted = DeferredCodec(inner, every, shared_keys=shape.heads // key_heads, head_gate=name == "gdn")
+    assert counted.storage_bits(*dims) - inner.storage_bits(*dims) == 8 * held  # one count: the codec's
     forward(model, ours, ids[:, 6:7])
     before = [t.clone() for t in (first.g_sum, first.pend_k, first.pend_u)]
     ours.reorder_cache(torch.tensor([1, 1]))

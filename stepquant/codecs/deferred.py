@@ -20,9 +20,12 @@ What this module models: the quantization events. The R - 1 pending updates are 
 state itself (FP32), not as FP16 k_r, u_r: the serving format's FP16 rounding of u (2^-11 relative) is
 below anything the eval resolves and is not modelled.
 
-Bytes (``storage_bits``): Q's plus what the serving format holds beside the codes: R - 1 pending (k, u)
-pairs in FP16 ((R - 1)(K + V) 16 bits per head) and the accumulated log-gate, K FP32 values per head (a
-GDN head needs one; the KDA count is used for both). At K = V = 128 that is (R - 1) / 4 + 1/4 bits/value.
+Bytes (``storage_bits``): Q's plus what the serving format (stepquant.kernels.decode.deferred's
+DeferredBuffers) holds beside the codes: R - 1 pending (k, u) pairs in FP16 and the accumulated log-gate in
+FP32. KDA (the default count): (R - 1)(K + V) 16 + 32 K bits per head, (R - 1) / 4 + 1/4 bits/value at
+K = V = 128. GDN (``shared_keys`` = H / HQ value heads per q/k head, ``head_gate``): a q/k head's k_j is
+held once for its group and a head's gate is one value, (R - 1)(K / shared_keys + V) 16 + 32 bits per head:
+(R - 1) / 6 + 1/512 bits/value at H / HQ = 3.
 
 Names (stepquant.codecs.make_codec): ``<name>-defer<R>`` for any registry name except "mixed", R = 2..16
 (e.g. "int6-defer4"); calibrated plans take the same suffix in stepquant eval ("stepquant-6-defer4").
@@ -73,10 +76,13 @@ class DeferredCodec(Codec):
 
     inner: the state format of the fits
     every: R = 2..16, tokens per fit (R = 1 would be the inner format itself)
+    shared_keys, head_gate: the byte count's layout (module docstring); the defaults count KDA's
     """
 
     inner: Codec
     every: int = 4
+    shared_keys: int = 1
+    head_gate: bool = False
     name: str = field(init=False)
 
     carries_residual = True  # the next encoding depends on what was stored (the age)
@@ -88,6 +94,10 @@ class DeferredCodec(Codec):
             raise ValueError(f"deferred fitting wraps a stateless format; {self.inner.name} already carries "
                              "state across tokens (error feedback or deferral)")
         check_every(self.every)
+        keys = self.shared_keys
+        if isinstance(keys, bool) or not isinstance(keys, int) or keys < 1:
+            raise ValueError(f"shared_keys is the value heads per stored k_j (GDN: H / HQ), got "
+                             f"{self.shared_keys!r}")
         object.__setattr__(self, "name", f"{self.inner.name}-defer{self.every}")
 
     def encode(self, states: torch.Tensor) -> DeferredState:
@@ -114,6 +124,9 @@ class DeferredCodec(Codec):
 
     def storage_bits(self, num_heads: int, key_dim: int, value_dim: int, *, analytical: bool = False) -> int:
         """The inner format's bits plus the serving format's pending updates and accumulated gate."""
-        extra = (self.every - 1) * (key_dim + value_dim) * 16 + key_dim * 32
+        if num_heads % self.shared_keys:
+            raise ValueError(f"{num_heads} heads do not share k_j in groups of {self.shared_keys}")
+        pending = (self.every - 1) * (num_heads // self.shared_keys * key_dim + num_heads * value_dim) * 16
+        gates = num_heads * (1 if self.head_gate else key_dim) * 32
         inner = self.inner.storage_bits(num_heads, key_dim, value_dim, analytical=analytical)
-        return inner + num_heads * extra
+        return inner + pending + gates

@@ -228,17 +228,19 @@ class PackedLinearAttentionLayer(LinearAttentionLayer):
 
     pool_layer: this layer's pages; rows: the slot of each batch row (shared by all layers of a cache);
     defer: R for a fit every R-th decode token (the layer then holds the rows' DeferredBuffers, made at the
-    first store), or None; kda: the gates are per key row (Kimi-Linear). Convolution states are kept by the
+    first store), or None; kda: the gates are per key row (Kimi-Linear); key_heads: the q/k heads (default:
+    one per value head). Convolution states are kept by the
     parent class as usual.
     """
 
     def __init__(self, pool_layer: PackedLayer, rows: _RowSlots, split_stream=None, *,
-                 defer: int | None = None, kda: bool = False, **kwargs):
+                 defer: int | None = None, kda: bool = False, key_heads: int | None = None, **kwargs):
         super().__init__(number_of_states=1, **kwargs)
         self.pool_layer = pool_layer
         self.rows = rows
         self.split_stream = split_stream
         self.defer, self.kda = defer, kda
+        self.key_heads = pool_layer.num_heads if key_heads is None else key_heads
         self.deferred: DeferredBuffers | None = None
 
     def lazy_initialization(self, conv_states=None, recurrent_states=None, state_idx: int = 0,
@@ -275,7 +277,7 @@ class PackedLinearAttentionLayer(LinearAttentionLayer):
         if self.defer is not None:  # a fit: nothing held since
             if self.deferred is None:
                 self.deferred = DeferredBuffers.empty(self.pool_layer.tables, slots.shape[0], self.defer,
-                                                      self.kda)
+                                                      self.kda, self.key_heads)
             self.deferred.clear()
         return recurrent_states
 
@@ -400,7 +402,7 @@ class PackedStateCache(DynamicCache):
         kda = family_for(model_type) is KDA
         for number, i in enumerate(self.linear_layers):
             self.layers[i] = PackedLinearAttentionLayer(self.pool[number], self._rows, self.split_stream,
-                                                        defer=defer, kda=kda)
+                                                        defer=defer, kda=kda, key_heads=shape.key_heads)
         route_recurrences(model_type)
 
     def get_recurrent_state(self, layer_idx: int, state_idx: int = 0):

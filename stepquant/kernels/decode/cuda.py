@@ -316,8 +316,9 @@ def decode(
     part: "fused", or the split "readout" (y, and u into ``work`` [N, H, V] FP32 when given; slots
     untouched) then "writeback" (requantizes the slots from the u in ``work``; y untouched). On CPU
     tables this runs the emulation build (tests only: slow).
-    pending: a deferred state's updates since its last fit (stepquant.kernels.decode.deferred), (k_j [N, H,
-    R - 1, K] L2-normalized, u_j [N, H, R - 1, V]) FP16 contiguous, decayed to this token, of which the first
+    pending: a deferred state's updates since its last fit (stepquant.kernels.decode.deferred), (k_j [N, HK,
+    R - 1, K] L2-normalized, HK = H for KDA, the q/k heads HQ for GDN; u_j [N, H, R - 1, V]) FP16
+    contiguous, decayed to this token, of which the first
     ``pending_count`` (default R - 1) are held. The readout adds sum_j (k.k_j) u_j to k^T S and sum_j (q.k_j)
     u_j to y, and with ``pending_append`` >= 0 stores this token's normalized k and u at that entry; the
     writeback adds sum_j k_j u_j^T to X (every entry held: a fit). The fused step does both (a fit token in
@@ -340,7 +341,8 @@ def decode(
         raise ValueError(f"work must be a contiguous FP32 tensor of v's shape {list(v.shape)}")
     device = tables.device
     if pending is not None:
-        pending = _check_pending(pending, part, v.shape[0], tables, device)
+        pending = _check_pending(pending, v.shape[0], key_heads_of_pending(tables, q.shape[1], g.dim() == 3),
+                                 tables, device)
         stride = pending[0].shape[2]
         pending_count = stride if pending_count is None else int(pending_count)
         if not 0 <= pending_count <= stride or not -1 <= pending_append < stride or (
@@ -367,14 +369,22 @@ def decode(
     return result
 
 
-def _check_pending(pending, part: str, num_rows: int, tables: FormatTables, device) -> tuple:
+def key_heads_of_pending(tables: FormatTables, key_heads: int, kda: bool) -> int:
+    """Heads of a deferred state's pending k_j: KDA decays them by each head's per-row gates (H), GDN's
+    are the q/k head's normalized k, one copy shared by its H / HQ value heads (HQ)."""
+    return tables.num_heads if kda else key_heads
+
+
+def _check_pending(pending, num_rows: int, key_heads: int, tables: FormatTables, device) -> tuple:
     pend_k, pend_u = pending
     heads = tables.num_heads
-    if (pend_k.dim() != 4 or pend_k.shape[:2] != (num_rows, heads) or pend_k.shape[3] != tables.key_dim
-            or pend_u.shape != (*pend_k.shape[:3], VALUE_DIM) or not 1 <= pend_k.shape[2] <= MAX_PENDING):
-        raise ValueError(f"pending must be (k [N, H, R - 1, K], u [N, H, R - 1, V]) with N = {num_rows}, H = "
-                         f"{heads}, K = {tables.key_dim}, V = {VALUE_DIM}, 1 <= R - 1 <= {MAX_PENDING}; got "
-                         f"{list(pend_k.shape)} and {list(pend_u.shape)}")
+    if (pend_k.dim() != 4 or pend_k.shape[:2] != (num_rows, key_heads) or pend_k.shape[3] != tables.key_dim
+            or pend_u.shape != (num_rows, heads, pend_k.shape[2], VALUE_DIM)
+            or not 1 <= pend_k.shape[2] <= MAX_PENDING):
+        raise ValueError(f"pending must be (k [N, HK, R - 1, K], u [N, H, R - 1, V]) with N = {num_rows}, "
+                         f"HK = {key_heads} (GDN: the q/k heads, KDA: H), H = {heads}, K = {tables.key_dim}, "
+                         f"V = {VALUE_DIM}, 1 <= R - 1 <= {MAX_PENDING}; got {list(pend_k.shape)} and "
+                         f"{list(pend_u.shape)}")
     if any(t.dtype != torch.float16 or not t.is_contiguous() or t.device != device for t in (pend_k, pend_u)):
         raise ValueError("pending k_j and u_j must be contiguous FP16 tensors on the layer's device (the "
                          "readout writes into them)")

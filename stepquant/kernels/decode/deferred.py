@@ -4,7 +4,9 @@ parts): the readout from the codes every token, the fit and writeback every R-th
 A request's deferred state is its slot (the codes of the last fit) plus :class:`DeferredBuffers`: the log
 decay accumulated since that fit (GDN [N, H], KDA [N, H, K], FP32) and the updates since, (k_j, u_j) FP16,
 kept decayed to the last token (GDN scales u_j by each token's gate, KDA k_j by its per-row gates), so
-S = e^{g_sum} . dequant(codes) + sum_j k_j u_j^T. One token, every row of the batch on the same cadence:
+S = e^{g_sum} . dequant(codes) + sum_j k_j u_j^T. GDN's k_j is its q/k head's normalized k, never decayed:
+one copy serves the H / HQ value heads of the group (KDA's k_j is per head). One token, every row of the
+batch on the same cadence:
 
     readout part (SQ_PENDING, pending_gate): g_sum += g and the held updates decayed by e^g (both stored
         back), then with gate g_sum: u = beta (v - S^T k), y = S^T q + (k . q) u, where S^T k and S^T q take
@@ -37,17 +39,24 @@ class DeferredBuffers:
 
     every: int
     g_sum: torch.Tensor   # [N, H] (GDN) or [N, H, K] (KDA) FP32
-    pend_k: torch.Tensor  # [N, H, R - 1, K] FP16
+    pend_k: torch.Tensor  # [N, HK, R - 1, K] FP16; HK = HQ (GDN, the q/k heads) or H (KDA)
     pend_u: torch.Tensor  # [N, H, R - 1, V] FP16
     age: int = 0          # pending updates held (0 right after a fit)
 
     @classmethod
-    def empty(cls, tables: FormatTables, num_rows: int, every: int, kda: bool) -> DeferredBuffers:
+    def empty(cls, tables: FormatTables, num_rows: int, every: int, kda: bool,
+              key_heads: int) -> DeferredBuffers:
+        """Zeroed buffers for ``num_rows`` batch rows; key_heads: the layer's q/k heads HQ."""
         check_every(every)
         heads, key_dim, value_dim = tables.num_heads, tables.key_dim, tables.value_dim
+        if (isinstance(key_heads, bool) or not isinstance(key_heads, int) or key_heads < 1
+                or heads % key_heads):
+            raise ValueError(f"key_heads is the layer's q/k heads, a divisor of its {heads} value heads; got "
+                             f"{key_heads!r}")
         device = tables.device
         g_sum = torch.zeros(num_rows, heads, *((key_dim,) if kda else ()), device=device)
-        pend_k = torch.zeros(num_rows, heads, every - 1, key_dim, dtype=torch.float16, device=device)
+        pend_k = torch.zeros(num_rows, cuda.key_heads_of_pending(tables, key_heads, kda), every - 1, key_dim,
+                             dtype=torch.float16, device=device)
         pend_u = torch.zeros(num_rows, heads, every - 1, value_dim, dtype=torch.float16, device=device)
         return cls(every, g_sum, pend_k, pend_u)
 
@@ -65,6 +74,7 @@ class DeferredBuffers:
         e^{g_sum} fitted + sum_j k_j u_j^T over the held updates (what a multi-token call starts from)."""
         decay = torch.exp(self.g_sum[..., None] if self.g_sum.dim() == 3 else self.g_sum[..., None, None])
         k, u = (t[:, :, :self.age].float() for t in (self.pend_k, self.pend_u))
+        k = k.repeat_interleave(u.shape[1] // k.shape[1], dim=1)  # GDN: a q/k head's k_j to its value heads
         return fitted * decay + torch.einsum("nhjk,nhjv->nhkv", k, u)
 
     def reorder(self, rows: torch.Tensor) -> None:

@@ -113,7 +113,8 @@ struct Params {
     int H, HQ, K, num_scaled, l2norm;
     int bf16_mask;          // which of q, k, v, g, beta, y are BF16 (the rest FP32)
     int pend_n;             // SQ_PENDING: the pending updates held (read: entries 0 .. pend_n - 1)
-    __half* pend_k;         // [N, H, pend_stride, K] FP16 k_j (L2-normalized), decayed to this token
+    __half* pend_k;         // [N, HK, pend_stride, K] FP16 k_j (L2-normalized), decayed to this token; HK = H
+                            // (KDA: decayed per head) or HQ (GDN: k_j is its q/k head's, shared by H / HQ heads)
     __half* pend_u;         // [N, H, pend_stride, V] FP16 u_j
     int pend_stride;        // entries per (row, head): R - 1 (codecs/deferred.py)
     int pend_append;        // the readout stores this token's k (normalized) and u at this entry; -1: none
@@ -1003,7 +1004,7 @@ __device__ void stage_row(const Params& p, Staged& in, int n, int h, long long s
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int K = p.K;
     const long long nh = (long long)n * p.H + h;
-    const long long qk = ((long long)n * p.HQ + int((uint64_t(h) * p.group_magic) >> 32)) * K;
+    const long long nq = (long long)n * p.HQ + int((uint64_t(h) * p.group_magic) >> 32), qk = nq * K;
     const uint4* src = reinterpret_cast<const uint4*>(p.codes + slot * p.slot_words + head.z);
 #pragma unroll 1
     for (int e = tid; e < head.w / 4; e += THREADS) cp_async<16>(in.codes + e, src + e);
@@ -1029,7 +1030,8 @@ __device__ void stage_row(const Params& p, Staged& in, int n, int h, long long s
         if (lane == 1 && !SQ_KDA) cp_async<4>(&in.g_word, word_of(p.g, nh, p.bf16_mask & 8));
     } else if (SQ_PENDING && (warp == 6 || warp == 7)) {  // the held updates: warp 6 the k_j, warp 7 the u_j
         const int width = warp == 6 ? K : V;
-        const __half* src = (warp == 6 ? p.pend_k : p.pend_u) + nh * p.pend_stride * width;
+        const __half* src = warp == 6 ? p.pend_k + (SQ_KDA ? nh : nq) * p.pend_stride * K
+                                      : p.pend_u + nh * p.pend_stride * V;
         uint4* dst = warp == 6 ? in.pend_k : in.pend_u;
 #pragma unroll 1
         for (int c = lane; c < p.pend_n * width / 8; c += 32) cp_async<16>(dst + c, src + 8 * c);
@@ -1063,10 +1065,10 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     // readout: decayed, and this token's appended) to global memory
     __half* pend_k = nullptr;  // the shared copies
     __half* pend_u = nullptr;
-    __half* pend_k_out = nullptr;  // (n, h)'s entries in global memory
+    __half* pend_k_out = nullptr;  // (n, h)'s entries in global memory (GDN's k_e: its q/k head's)
     __half* pend_u_out = nullptr;
     if constexpr (SQ_PENDING) {
-        pend_k_out = p.pend_k + nh * p.pend_stride * K;
+        pend_k_out = p.pend_k + (SQ_KDA ? nh : (long long)n * p.HQ + hq) * p.pend_stride * K;
         pend_u_out = p.pend_u + nh * p.pend_stride * V;
         pend_k = STAGED ? reinterpret_cast<__half*>(in->pend_k) : pend_copy;
         pend_u = STAGED ? reinterpret_cast<__half*>(in->pend_u) : pend_copy + p.pend_n * K;
@@ -1172,7 +1174,9 @@ __device__ void head_step(const Params& p, Shared& sm, int n, int h, long long s
     }
     const float kq = (sm.red[8] + sm.red[9] + sm.red[10] + sm.red[11]) * (fk * fq);
     if constexpr (SQ_PENDING && SQ_PART == READOUT) {  // append this token's k, normalized, to the pending
-        if (p.pend_append >= 0 && tid < K)
+        // (GDN: the first head of each q/k head's group stores the k_e its H / HQ heads share)
+        const bool stores_k = SQ_KDA || h == 0 || int((uint64_t(h - 1) * p.group_magic) >> 32) != hq;
+        if (p.pend_append >= 0 && tid < K && stores_k)
             pend_k_out[p.pend_append * K + tid] = __float2half_rn(k_i * fk);
     }
     if constexpr (SQ_PENDING && FROM_CODES) {  // the readout carries the gate sum on, a fit restarts it (after
