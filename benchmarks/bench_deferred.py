@@ -269,7 +269,8 @@ def main(argv=None) -> int:
                         help="also replay fla, the fused step and deferred cycles from CUDA graphs up to "
                              "this batch")
     parser.add_argument("--source", action="append", default=[], metavar="NAME=PATH",
-                        help="also time the deferred rows with this version of packed_step.cu (repeatable)")
+                        help="also time the deferred rows with this version of packed_step.cu (repeatable; "
+                             "it must hold GDN's k_j per q/k head, as the kernel does since 0a25cae)")
     parser.add_argument("--dry-run", action="store_true", help="CPU, the CUDA kernel's emulation build, tiny")
     args = parser.parse_args(argv)
     args.sources = {"current": cuda.SOURCE}
@@ -278,6 +279,9 @@ def main(argv=None) -> int:
         if not source or source == "current" or not Path(path).is_file():
             parser.error(f"--source {item!r}: give NAME=PATH of an existing packed_step.cu (NAME: not "
                          "'current')")
+        if "stores_k" not in Path(path).read_text():  # an older kernel reads k_j per value head: past the end
+            parser.error(f"--source {item!r}: this packed_step.cu predates 0a25cae (GDN's k_j per q/k "
+                         "head) and would read past the deferred buffers")
         args.sources[source] = Path(path).resolve()
     ints = lambda s: [int(x) for x in s.split(",") if x]
     args.batches, args.bits, args.every = ints(args.batches), ints(args.bits), ints(args.every)
