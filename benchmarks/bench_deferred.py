@@ -197,7 +197,7 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
                     pair[1].clear()
 
                 deferred_extra = dict(extra, every=every, bits_per_value=extra["bits_per_value"]
-                                      + buffer_bits_per_value(every, bd.KEY_DIM, bd.VALUE_DIM))
+                                      + buffer_bits_per_value(every, spec, bd.KEY_DIM, bd.VALUE_DIM))
                 # (tag, source, (fit, gates), tuning knobs); the tensor-core readout unless it is the default
                 versions = [("", cuda.SOURCE, ("fused", "kernel"), {}),
                             (" [split fit]", cuda.SOURCE, ("split", "kernel"), {}),

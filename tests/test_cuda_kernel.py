@@ -219,7 +219,8 @@ def _tensor_core_readout_case(device: str, bits: torch.Tensor, q_heads: int, num
     held = None
     if pending:
         gen = torch.Generator().manual_seed(42)
-        held = ((torch.randn(num_rows, heads, 3, key_dim, generator=gen) / 8).half().to(device),
+        key_heads = cuda.key_heads_of_pending(layer.tables, q_heads, kda)
+        held = ((torch.randn(num_rows, key_heads, 3, key_dim, generator=gen) / 8).half().to(device),
                 torch.randn(num_rows, heads, 3, 128, generator=gen).half().to(device))
     out = {}
     for mma in (0, 1):
