@@ -13,7 +13,8 @@ refit; synthetic plans shaped like the shipped ones, as bench_decode.py's):
   pending updates); one launch per token (the kernel sums the gate and decays the held updates; the fit in
   one pass, the fused step with the pending updates); "[split fit]": the fit as the readout then the
   writeback; "[torch gates]": the gate sum and the decay as torch ops before the kernel (b866649's way);
-  "[tensor-core readout]": the readout tokens' sums on tensor cores (SQ_MMA=1, unless that is the default);
+  "[tensor-core readout]" / "[FP32 readout]": the readout tokens' sums the other way from the family's
+  default (cuda.mma_for: tensor cores for KDA, FP32 FMAs for GDN);
 - fla's own FP32 step in the same run; at batches up to --graph-below, fla, the fused step and a deferred
   cycle also replayed from a CUDA graph ("[graph]": the GPU time without Python's launch overhead);
 - with ``--source NAME=PATH`` (repeatable), the deferred rows also for that version of packed_step.cu
@@ -198,12 +199,13 @@ def run(name: str, spec: dict, args, fla, rec: bd.Recorder) -> None:
 
                 deferred_extra = dict(extra, every=every, bits_per_value=extra["bits_per_value"]
                                       + buffer_bits_per_value(every, spec, bd.KEY_DIM, bd.VALUE_DIM))
-                # (tag, source, (fit, gates), tuning knobs); the tensor-core readout unless it is the default
+                # (tag, source, (fit, gates), tuning knobs); the readout's sums the other way from the default
+                other_sums = ((" [FP32 readout]", {"SQ_MMA": 0}) if cuda.mma_for("readout", kda)
+                              else (" [tensor-core readout]", {"SQ_MMA": 1}))
                 versions = [("", cuda.SOURCE, ("fused", "kernel"), {}),
                             (" [split fit]", cuda.SOURCE, ("split", "kernel"), {}),
                             (" [torch gates]", cuda.SOURCE, ("fused", "torch"), {}),
-                            *([(" [tensor-core readout]", cuda.SOURCE, ("fused", "kernel"), {"SQ_MMA": 1})]
-                              if not cuda.TUNING["SQ_MMA"] else []),
+                            (other_sums[0], cuda.SOURCE, ("fused", "kernel"), other_sums[1]),
                             *((f" [{source}]", path, ("fused", "kernel"), {})
                               for source, path in args.sources.items() if source != "current")]
                 for tag, path, way, knobs in versions:

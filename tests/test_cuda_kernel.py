@@ -203,10 +203,10 @@ def test_split_readout_then_writeback(monkeypatch):
 
 def _tensor_core_readout_case(device: str, bits: torch.Tensor, q_heads: int, num_rows: int, config: str,
                               kda: bool, pending: bool) -> None:
-    """The readout part's sums on tensor cores (SQ_MMA=1) against its FP32 FMAs (SQ_MMA=0, the default): y and
-    u within 2e-5 relative RMS on the heads of one width b <= 7 (their BF16 levels are exact, a k and a q keep
-    ~2^-17 per term as a BF16 high and low part), bit-identical on the heads that keep the FP32 path (8 bits,
-    mixed rows, FP16 pivots); free rows and every slot untouched."""
+    """The readout part's sums on tensor cores (SQ_MMA=1, KDA's default) against its FP32 FMAs (SQ_MMA=0,
+    GDN's): y and u within 2e-5 relative RMS on the heads of one width b <= 7 (their BF16 levels are exact,
+    a k and a q keep ~2^-17 per term as a BF16 high and low part), bit-identical on the heads that keep the
+    FP32 path (8 bits, mixed rows, FP16 pivots); free rows and every slot untouched."""
     layer = make_layer(bits, value_dim=128, num_slots=num_rows, device=device, **CONFIGS[config])
     heads, key_dim = layer.num_heads, layer.key_dim
     all_slots = torch.arange(num_rows, dtype=torch.int32, device=device)
@@ -330,6 +330,23 @@ def test_rows_per_cta_compiled_into_the_staged_parts_only(monkeypatch):
     tables = make_layer(torch.full((2, 16), 6, dtype=torch.int8), value_dim=128, num_slots=2).tables
     items = {part: dict(cuda.defines_for(tables, part, kda=False))["SQ_ITEMS"] for part in cuda.PARTS}
     assert items == {"fused": 4, "readout": 1, "writeback": 4, "pack": 1}
+
+
+def test_tensor_core_sums_compiled_into_kdas_readout_by_default(monkeypatch):
+    # SQ_MMA None (the default): KDA's readout on tensor cores, GDN's on FP32 FMAs (measured, cuda.mma_for);
+    # 0 or 1 (STEPQUANT_CUDA_MMA) sets both; never in the other parts, nor at 8 key rows per warp
+    tables = make_layer(torch.full((2, 16), 6, dtype=torch.int8), value_dim=128, num_slots=2).tables
+    compiled = lambda: {(part, kda): dict(cuda.defines_for(tables, part, kda))["SQ_MMA"]
+                        for part in cuda.PARTS for kda in (False, True)}
+    monkeypatch.setitem(cuda.TUNING, "SQ_MMA", None)
+    assert {key for key, mma in compiled().items() if mma} == {("readout", True)}
+    monkeypatch.setitem(cuda.TUNING, "SQ_MMA", 1)
+    assert {key for key, mma in compiled().items() if mma} == {("readout", False), ("readout", True)}
+    monkeypatch.setitem(cuda.TUNING, "SQ_ROWS", 8)
+    assert not any(compiled().values())
+    monkeypatch.setenv("STEPQUANT_CUDA_MMA", "2")
+    with pytest.raises(ValueError, match="STEPQUANT_CUDA_MMA='2'"):
+        cuda._tuning_from_env("STEPQUANT_CUDA_MMA", None, (0, 1), "sums the readout on tensor cores")
 
 
 def test_rejects_shapes_it_does_not_serve():

@@ -45,8 +45,10 @@ PARTS = {"fused": 0, "readout": 1, "writeback": 2, "pack": 3}
 MAX_PENDING = MAX_DEFER - 1  # a deferred state's held updates per (row, head); packed_step.cu's MAX_PENDING
 
 
-def _tuning_from_env(name: str, default: int, allowed, what: str) -> int:
-    value = os.environ.get(name, str(default))
+def _tuning_from_env(name: str, default: int | None, allowed, what: str) -> int | None:
+    if name not in os.environ:
+        return default
+    value = os.environ[name]
     if not value.isdigit() or int(value) not in allowed:
         raise ValueError(f"{name}={value!r}: the CUDA kernel {what}")
     return int(value)
@@ -59,14 +61,14 @@ def _tuning_from_env(name: str, default: int, allowed, what: str) -> int:
 # measured 3-8% faster than 1 on the H200, 2026-12-07, docs/kernels.md; the readout and the pack keep one row
 # per CTA, where rows past the first would only loop; STEPQUANT_CUDA_ITEMS overrides the default), and
 # whether the readout part sums heads of one width b <= 7 on tensor cores (SQ_MMA: BF16 levels and a BF16
-# high and low part of a k, a q, FP32 sums; checked on the CPU emulation only so far, so off by default until
-# a GPU run has passed its test and timed it: STEPQUANT_CUDA_MMA=1 turns it on; off, the readout's FP32 FMAs
-# are the other parts', whose sums the split readout then reproduces bit for bit)
+# high and low part of a k, a q, FP32 sums; y within ~2e-6 relative RMS of the FP32 sums on the H100). None,
+# the default, takes each family's measured choice (mma_for); STEPQUANT_CUDA_MMA=0 or 1 sets it for both.
+# Off, the readout's FP32 FMAs are the other parts', whose sums the split readout then reproduces bit for bit.
 TUNING = {
     "SQ_MIN_BLOCKS": 2,
     "SQ_ROWS": _tuning_from_env("STEPQUANT_CUDA_ROWS", 16, (8, 16), "holds 8 or 16 key rows per warp"),
     "SQ_ITEMS": _tuning_from_env("STEPQUANT_CUDA_ITEMS", 4, range(1, 33), "steps 1 to 32 batch rows per CTA"),
-    "SQ_MMA": _tuning_from_env("STEPQUANT_CUDA_MMA", 0, (0, 1),
+    "SQ_MMA": _tuning_from_env("STEPQUANT_CUDA_MMA", None, (0, 1),
                                "sums the readout on tensor cores (1) or not (0)"),
 }
 STAGED_PARTS = ("fused", "writeback")  # the parts SQ_ITEMS > 1 stages (packed_step.cu's STAGED)
@@ -92,10 +94,15 @@ def tuning(**knobs):
         TUNING.update(saved)
 
 
-def mma_for(part: str) -> int:
-    """Whether a part sums the readout on tensor cores: TUNING's SQ_MMA for the readout (at 16 key rows per
-    warp), else 0."""
-    return TUNING["SQ_MMA"] if part in MMA_PARTS and TUNING["SQ_ROWS"] == 16 else 0
+def mma_for(part: str, kda: bool) -> int:
+    """Whether a part sums the readout on tensor cores (at 16 key rows per warp): TUNING's SQ_MMA, or where
+    that is None each family's measured choice: KDA's readout on tensor cores (faster in every row of an
+    H100 run, 2026-12-08: readout alone 2-3%, deferred readout tokens 5-9%), GDN's on FP32 FMAs (the tensor
+    cores lost 6-15% on the readout alone; on deferred readout tokens they went from 5% faster at 6 bits to
+    3% slower at 4 bits; benchmarks/results/h100_2026-12-08/, docs/kernels.md)."""
+    if part not in MMA_PARTS or TUNING["SQ_ROWS"] != 16:
+        return 0
+    return int(kda) if TUNING["SQ_MMA"] is None else TUNING["SQ_MMA"]
 
 
 class _Params(ctypes.Structure):
@@ -109,8 +116,6 @@ class _Params(ctypes.Structure):
         ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int), ("pend_n", ctypes.c_int),
         ("pend_k", ctypes.c_void_p), ("pend_u", ctypes.c_void_p), ("pend_stride", ctypes.c_int),
         ("pend_append", ctypes.c_int), ("pend_gate", ctypes.c_void_p)]
-
-
 def nvcc_path() -> str | None:
     found = shutil.which("nvcc")
     if found is None and os.environ.get("CUDA_HOME"):
@@ -194,7 +199,7 @@ def defines_for(tables: FormatTables, part: str, kda: bool, debug: bool = False,
             ("SQ_ROW_STAT", ROW_STATS.index(config.row_stat)), ("SQ_KDA", int(kda)), ("SQ_CLIPPED", clipped),
             ("SQ_REFITS", config.refit_iters if dual else 0), ("SQ_ROW_FILL", int(tables.row_fill)),
             ("SQ_DEBUG", int(debug)), *((("SQ_PENDING", 1),) if pending else ()),
-            *sorted({**TUNING, "SQ_ITEMS": items_for(part), "SQ_MMA": mma_for(part)}.items()))
+            *sorted({**TUNING, "SQ_ITEMS": items_for(part), "SQ_MMA": mma_for(part, kda)}.items()))
 
 
 def supported(tables: FormatTables) -> bool:
