@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_decode as bd  # noqa: E402
 
 from stepquant.codecs import DeferredCodec, LayerFormat, make_codec  # noqa: E402
+from stepquant.codecs.deferred import pending_layout  # noqa: E402
 from stepquant.codecs.packing import unpack  # noqa: E402
 from stepquant.kernels.decode import cuda  # noqa: E402
 from stepquant.kernels.decode.deferred import DeferredBuffers, decode_deferred  # noqa: E402
@@ -68,7 +69,7 @@ def buffer_bits_per_value(every: int, spec: dict, key_dim: int, value_dim: int) 
     layout), per state value."""
     heads, key_heads, kda = spec["heads"], spec["key_heads"], spec["kda"]
     inner, dims = make_codec("fp32"), (heads, key_dim, value_dim)
-    codec = DeferredCodec(inner, every, shared_keys=1 if kda else heads // key_heads, head_gate=not kda)
+    codec = DeferredCodec(inner, every, **pending_layout(kda, heads, key_heads))
     return (codec.storage_bits(*dims) - inner.storage_bits(*dims)) / (heads * key_dim * value_dim)
 
 

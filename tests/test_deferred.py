@@ -9,6 +9,7 @@ from test_error_feedback import GDN_LINEAR, states  # the same random states and
 
 from stepquant.accounting import codec_bytes
 from stepquant.codecs import DeferredCodec, DeferredState, make_codec
+from stepquant.codecs.deferred import pending_layout
 from stepquant.eval.methods import resolve_method
 from stepquant.families import shape_from_config
 from stepquant.models import resolve
@@ -59,6 +60,12 @@ def test_names_bytes_and_errors():
         DeferredCodec(inner, 4, shared_keys=3).storage_bits(*dims)
     with pytest.raises(ValueError, match="value heads per stored k_j"):
         DeferredCodec(inner, 4, shared_keys=0)
+    # one home for the layout rule: KDA per head with a gate per key row, GDN per q/k head, unknown unshared
+    assert pending_layout(True, 8, 2) == {"shared_keys": 1, "head_gate": False}
+    assert pending_layout(False, 8, 2) == {"shared_keys": 4, "head_gate": True}
+    assert pending_layout(False, 8, None) == {"shared_keys": 1, "head_gate": True}
+    with pytest.raises(ValueError, match="divisor of its 8 value heads"):
+        pending_layout(False, 8, 3)
 
 
 def test_quantized_loop_fits_every_r_tokens():
@@ -88,7 +95,9 @@ def test_eval_method_and_cache():
     plain = resolve_method("stepquant-6", "gdn", GDN_LINEAR)
     shape = shape_from_config(resolve("gdn"))
     extra = method.state_bytes(shape).serving_bytes - plain.state_bytes(shape).serving_bytes
-    assert extra == shape.num_heads * (3 * 256 * 2 + 128 * 4)  # every linear layer's heads
+    # every linear layer: per value head 3 u_j in FP16 and one FP32 gate, 3 k_j per q/k head (GDN's layout)
+    assert shape.key_heads < shape.heads
+    assert extra == shape.linear_layers * (shape.heads * (3 * 128 * 2 + 4) + shape.key_heads * 3 * 128 * 2)
 
     torch.set_num_threads(1)
     model, _ = load("kda")

@@ -217,7 +217,7 @@ def test_deferred_cache_follows_the_deferred_codec(shipped):
     layers = len(ours.linear_layers)
     assert ours.state_bytes()["deferred_bytes_per_request"] == held * layers
     inner, dims = plan.codec(0), (shape.heads, shape.key_dim, shape.value_dim)
-    counted = DeferredCodec(inner, every, shared_keys=shape.heads // key_heads, head_gate=name == "gdn")
+    counted = DeferredCodec(inner, every).for_shape(shape)
     assert counted.storage_bits(*dims) - inner.storage_bits(*dims) == 8 * held  # one count: the codec's
     forward(model, ours, ids[:, 6:7])
     before = [t.clone() for t in (first.g_sum, first.pend_k, first.pend_u)]

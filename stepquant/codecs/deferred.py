@@ -34,7 +34,7 @@ Names (stepquant.codecs.make_codec): ``<name>-defer<R>`` for any registry name e
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -60,6 +60,26 @@ def split_deferred(name: str) -> tuple[str, int | None]:
     return (name, None) if match is None else (match.group("base"), int(match.group("every")))
 
 
+def pending_layout(kda: bool, heads: int, key_heads: int | None) -> dict:
+    """How a layer's serving buffers hold the pending updates, as DeferredCodec's layout fields: KDA's gates
+    decay each value head's k_j per key row, so every head keeps its own k_j and one gate per key row; GDN's
+    k_j is its q/k head's normalized k (never decayed: GDN decays u_j), one copy for the heads / key_heads
+    value heads of the group, and one gate per head. key_heads None (not known): counted unshared, an upper
+    bound."""
+    if kda:
+        return {"shared_keys": 1, "head_gate": False}
+    return {"shared_keys": 1 if key_heads is None else heads // check_key_heads(heads, key_heads),
+            "head_gate": True}
+
+
+def check_key_heads(heads: int, key_heads) -> int:
+    """A layer's q/k heads HQ, checked: an int that divides its value heads H."""
+    if isinstance(key_heads, bool) or not isinstance(key_heads, int) or key_heads < 1 or heads % key_heads:
+        raise ValueError(f"key_heads is the layer's q/k heads, a divisor of its {heads} value heads; got "
+                         f"{key_heads!r}")
+    return key_heads
+
+
 @dataclass
 class DeferredState:
     """One stored deferred state: the codes of the last fit, and the float state since (None right after
@@ -76,7 +96,8 @@ class DeferredCodec(Codec):
 
     inner: the state format of the fits
     every: R = 2..16, tokens per fit (R = 1 would be the inner format itself)
-    shared_keys, head_gate: the byte count's layout (module docstring); the defaults count KDA's
+    shared_keys, head_gate: the byte count's layout (module docstring, pending_layout); the defaults count
+        KDA's, ``for_shape`` a model's
     """
 
     inner: Codec
@@ -99,6 +120,10 @@ class DeferredCodec(Codec):
             raise ValueError(f"shared_keys is the value heads per stored k_j (GDN: H / HQ), got "
                              f"{self.shared_keys!r}")
         object.__setattr__(self, "name", f"{self.inner.name}-defer{self.every}")
+
+    def for_shape(self, shape) -> DeferredCodec:
+        """This codec with the byte count of a model's serving layout (a stepquant.families.ModelShape)."""
+        return replace(self, **pending_layout(shape.family.name == "kda", shape.heads, shape.key_heads))
 
     def encode(self, states: torch.Tensor) -> DeferredState:
         """The boundary pack: a fit."""

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from stepquant.codecs.base import Grid
-from stepquant.codecs.deferred import MAX_DEFER
+from stepquant.codecs.deferred import MAX_DEFER, pending_layout
 from stepquant.codecs.dual_axis import ROW_STATS
 from stepquant.kernels.tables import FormatTables, Pages
 
@@ -375,9 +375,8 @@ def decode(
 
 
 def key_heads_of_pending(tables: FormatTables, key_heads: int, kda: bool) -> int:
-    """Heads of a deferred state's pending k_j: KDA decays them by each head's per-row gates (H), GDN's
-    are the q/k head's normalized k, one copy shared by its H / HQ value heads (HQ)."""
-    return tables.num_heads if kda else key_heads
+    """Heads of a deferred state's pending k_j (codecs.deferred.pending_layout): KDA's H, GDN's HQ."""
+    return tables.num_heads // pending_layout(kda, tables.num_heads, key_heads)["shared_keys"]
 
 
 def _check_pending(pending, num_rows: int, key_heads: int, tables: FormatTables, device) -> tuple:

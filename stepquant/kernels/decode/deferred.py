@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from stepquant.codecs.deferred import check_every
+from stepquant.codecs.deferred import check_every, check_key_heads
 from stepquant.kernels.tables import FormatTables, Pages
 
 from . import cuda
@@ -49,10 +49,7 @@ class DeferredBuffers:
         """Zeroed buffers for ``num_rows`` batch rows; key_heads: the layer's q/k heads HQ."""
         check_every(every)
         heads, key_dim, value_dim = tables.num_heads, tables.key_dim, tables.value_dim
-        if (isinstance(key_heads, bool) or not isinstance(key_heads, int) or key_heads < 1
-                or heads % key_heads):
-            raise ValueError(f"key_heads is the layer's q/k heads, a divisor of its {heads} value heads; got "
-                             f"{key_heads!r}")
+        check_key_heads(heads, key_heads)
         device = tables.device
         g_sum = torch.zeros(num_rows, heads, *((key_dim,) if kda else ()), device=device)
         pend_k = torch.zeros(num_rows, cuda.key_heads_of_pending(tables, key_heads, kda), every - 1, key_dim,
