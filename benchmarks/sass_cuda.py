@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                **({"SQ_ONLY_KIND": args.kind} if args.kind >= 0 else {}),
                "SQ_ROWS": args.rows, "SQ_MIN_BLOCKS": args.min_blocks, "SQ_ITEMS": args.items,
                "SQ_PENDING": int(args.pending),
-               "SQ_MMA": int(args.part in cuda.MMA_PARTS and not args.no_mma)}
+               "SQ_MMA": int(args.part in cuda.MMA_PARTS and not args.no_mma and args.rows == 16)}
     values_per_thread = 4 * args.rows  # a rows x 4 tile per thread
     nvcc = cuda.nvcc_path()
     if nvcc is None:

@@ -102,6 +102,20 @@ def test_pack_matches_codec(shape, config):
 @pytest.mark.parametrize("config", list(CONFIGS), ids=list(CONFIGS))
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPES)
 def test_decode_matches_reference(shape, config, kda):
+    _reference_case(shape, config, kda)
+
+
+@pytest.mark.parametrize("kda", [False, True], ids=["gdn", "kda"])
+def test_sixteen_warp_build_matches_reference(monkeypatch, kda):
+    # SQ_ROWS = 8 (16 warps of 8 key rows, STEPQUANT_CUDA_ROWS=8): a build the GPU runs time as an
+    # alternative; the tensor-core readout's layout check once failed its compilation (session 22's GPU run)
+    monkeypatch.setitem(cuda.TUNING, "SQ_ROWS", 8)
+    _reference_case("K112-mixed-pivots", "reciprocal-refit1-midtread", kda)
+
+
+def _reference_case(shape: str, config: str, kda: bool) -> None:
+    """One fused decode token against the naive reference: X and y by relative RMS, the codes and scales
+    against the codec given the kernel's X, a skipped row and free slots untouched."""
     kernel, q_heads = _layer(shape, config, num_slots=5)
     heads, key_dim = kernel.num_heads, kernel.key_dim
     all_slots = torch.arange(5, dtype=torch.int32)

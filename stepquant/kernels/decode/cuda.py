@@ -116,6 +116,8 @@ class _Params(ctypes.Structure):
         ("l2norm", ctypes.c_int), ("bf16_mask", ctypes.c_int), ("pend_n", ctypes.c_int),
         ("pend_k", ctypes.c_void_p), ("pend_u", ctypes.c_void_p), ("pend_stride", ctypes.c_int),
         ("pend_append", ctypes.c_int), ("pend_gate", ctypes.c_void_p)]
+
+
 def nvcc_path() -> str | None:
     found = shutil.which("nvcc")
     if found is None and os.environ.get("CUDA_HOME"):

@@ -183,8 +183,9 @@ static_assert(OWN_READOUT_BUFFER || 2 * NUM_WARPS * V <= SCRATCH, "readout parti
 // SQ_MMA: the tensor-core partials [hi, lo][warp][V][k, q] in the stage's upper half, above any head of b <= 7
 // bits' code words (128 rows x 28 words), so a warp writes them while others still read codes
 constexpr int MMA_PARTIALS_AT = STAGE_WORDS / 2;
-static_assert(MAX_K * 4 * 7 <= MMA_PARTIALS_AT && MMA_PARTIALS_AT + 2 * NUM_WARPS * 2 * V <= STAGE_WORDS,
-              "tensor-core partials above the codes, inside the stage");
+static_assert(!SQ_MMA || (MAX_K * 4 * 7 <= MMA_PARTIALS_AT
+                           && MMA_PARTIALS_AT + 2 * NUM_WARPS * 2 * V <= STAGE_WORDS),
+              "tensor-core partials above the codes, inside the stage");  // (16 warps: no tensor cores)
 
 struct Shared {
     float4 row[MAX_K];        // (a k, a q, a, k) before the L2 norms: a = r_old e^g (pivot rows: e^g)
