@@ -326,10 +326,11 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                      ("cuda writeback (split)", "dual_axis", RECIPROCAL_1, "writeback", "cuda"),
                      ("triton fused (exact, 2 refits)", "dual_axis", EXACT_2, "fused", "triton")]
         todo += [("cuda rowwise absmax INT", "absmax", EXACT_2, "fused", "cuda")]
+        rows = cuda.TUNING["SQ_ROWS"]  # the default, or STEPQUANT_CUDA_ROWS
         for variant, spatial, config, part, backend in todo:
             if backend.startswith("cuda") and not use_cuda:
                 continue
-            cuda.TUNING["SQ_ROWS"] = 8 if backend == "cuda-16w" else 16  # 16 warps of 8 key rows per CTA
+            cuda.TUNING["SQ_ROWS"] = 8 if backend == "cuda-16w" else rows  # 16 warps of 8 key rows per CTA
             table = uniform if spatial == "absmax" else plan
             slot_bytes = LayerFormat(table, None, spatial).bytes(VALUE_DIM)
             layer = make_layer(table, spatial, rotation_groups(max_batch * slot_bytes) * max_batch, config)
@@ -365,42 +366,52 @@ def run_ours(name: str, spec: dict, args, rec: Recorder) -> None:
                 except Exception:
                     log(traceback.format_exc())
             del layer
-            cuda.TUNING["SQ_ROWS"] = 16
+            cuda.TUNING["SQ_ROWS"] = rows
             if DEVICE == "cuda":
                 torch.cuda.empty_cache()
 
 
 def check(name: str, spec: dict) -> list[dict]:
-    """Each kernel vs the torch reference on a small batch: relative RMS of y and of the new states."""
-    heads, key_heads, kda = spec["heads"], spec["key_heads"], spec["kda"]
+    """Each kernel vs the torch reference on a small batch: relative RMS of y and of the new states; a
+    kernel that fails (e.g. its build) gets an error entry and the others are still checked."""
     kernels = [("triton", EXACT_2, fused_decode)]
     if DEVICE == "cuda" and cuda.nvcc_path() is not None:
         kernels += [("cuda", EXACT_2, cuda.decode), ("cuda", RECIPROCAL_1, cuda.decode),
                     ("cuda-16w", RECIPROCAL_1, cuda.decode)]
     results = []
     for backend, config, fn in kernels:
-        cuda.TUNING["SQ_ROWS"] = 8 if backend == "cuda-16w" else 16
-        layer = make_layer(synthetic_plan(name, 6, heads), "dual_axis", 8, config)
-        twin = PackedLayer(layer.format, 8, VALUE_DIM, DEVICE)
-        for a, b in zip(twin.tensors(), layer.tensors(), strict=True):
-            a.copy_(b)
-        slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=DEVICE)
-        inputs = token_inputs(4, heads, key_heads, kda, seed=1)
-        y = torch.zeros(4, heads, VALUE_DIM, device=DEVICE)  # FP32 outputs: no BF16 rounding in the check
-        y_ref = torch.zeros_like(y)
-        fn(layer.tables, layer.pages, slots, *inputs, use_qk_l2norm=True, out=y)
-        naive_packed_decode(twin, slots, *inputs, use_qk_l2norm=True, out=y_ref)
-        rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
-        index = torch.tensor([5, 0, 3])
-        got, want = unpack(layer.gather(index)), unpack(twin.gather(index))
-        results.append(dict(model=name, backend=backend, quantizer=f"{config.division}/{config.refit_iters}",
-                            y_rel_rms=rel(y[[0, 2, 3]], y_ref[[0, 2, 3]]),
-                            state_rel_rms=rel(got.dequantize(), want.dequantize()),
-                            codes_equal_fraction=float((got.codes == want.codes).float().mean()),
-                            row_scales_equal_fraction=float((got.row_scale == want.row_scale).float().mean()),
-                            ))
-    cuda.TUNING["SQ_ROWS"] = 16
+        quantizer = f"{config.division}/{config.refit_iters}"
+        try:
+            with cuda.tuning(SQ_ROWS=8 if backend == "cuda-16w" else cuda.TUNING["SQ_ROWS"]):
+                results.append(dict(model=name, backend=backend, quantizer=quantizer,
+                                    **check_one(name, spec, config, fn)))
+        except Exception:
+            log(traceback.format_exc())
+            results.append(dict(model=name, backend=backend, quantizer=quantizer,
+                                error=traceback.format_exc(limit=2)))
     return results
+
+
+def check_one(name: str, spec: dict, config, fn) -> dict:
+    """One kernel (decode function fn, quantizer config) against the torch reference."""
+    heads, key_heads, kda = spec["heads"], spec["key_heads"], spec["kda"]
+    layer = make_layer(synthetic_plan(name, 6, heads), "dual_axis", 8, config)
+    twin = PackedLayer(layer.format, 8, VALUE_DIM, DEVICE)
+    for a, b in zip(twin.tensors(), layer.tensors(), strict=True):
+        a.copy_(b)
+    slots = torch.tensor([5, -1, 0, 3], dtype=torch.int32, device=DEVICE)
+    inputs = token_inputs(4, heads, key_heads, kda, seed=1)
+    y = torch.zeros(4, heads, VALUE_DIM, device=DEVICE)  # FP32 outputs: no BF16 rounding in the check
+    y_ref = torch.zeros_like(y)
+    fn(layer.tables, layer.pages, slots, *inputs, use_qk_l2norm=True, out=y)
+    naive_packed_decode(twin, slots, *inputs, use_qk_l2norm=True, out=y_ref)
+    rel = lambda a, b: float((a.float() - b.float()).norm() / b.float().norm())
+    index = torch.tensor([5, 0, 3])
+    got, want = unpack(layer.gather(index)), unpack(twin.gather(index))
+    return dict(y_rel_rms=rel(y[[0, 2, 3]], y_ref[[0, 2, 3]]),
+                state_rel_rms=rel(got.dequantize(), want.dequantize()),
+                codes_equal_fraction=float((got.codes == want.codes).float().mean()),
+                row_scales_equal_fraction=float((got.row_scale == want.row_scale).float().mean()))
 
 
 def markdown(result: dict) -> str:
