@@ -208,6 +208,11 @@ class Codec(ABC):
     # True for formats whose next encoding depends on what was stored before (error_feedback.py)
     carries_residual = False
 
+    def for_shape(self, shape) -> Codec:
+        """This format as a model (a stepquant.families.ModelShape) stores it, for byte counts: itself, unless
+        its bytes depend on the model's layout beyond (H, K, V) (deferred.py: GDN's shared k_j)."""
+        return self
+
     def requantize(self, states: torch.Tensor, previous: object | None) -> object:
         """Encode the next decode step's state, given the object stored for the previous step.
 

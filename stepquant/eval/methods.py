@@ -78,8 +78,7 @@ class Method:
     def state_bytes(self, shape: ModelShape) -> StateBytes:
         """Exact bytes one request's recurrent state takes in this format, all linear-attention layers."""
         dims = (shape.heads, shape.key_dim, shape.value_dim)
-        # a deferred format's buffers in the model's serving layout (GDN shares k_j within a q/k head)
-        codecs = [c.for_shape(shape) if isinstance(c, DeferredCodec) else c for c in self.codecs.values()]
+        codecs = [codec.for_shape(shape) for codec in self.codecs.values()]  # e.g. GDN's shared pending k_j
         serving = sum(codec.storage_bits(*dims) for codec in codecs)
         analytical = sum(codec.storage_bits(*dims, analytical=True) for codec in codecs)
         return StateBytes(self.label, -(-analytical // 8), -(-serving // 8), shape.values)
