@@ -42,7 +42,9 @@ def test_names_bytes_and_errors():
     assert make_codec("int6-defer4").bits_per_value(*dims) == 6.125 + 0.75 + 0.25
     shape = shape_from_config(resolve("gdn"))
     deferred, plain = (codec_bytes(make_codec(n), shape).serving_bytes for n in ("int6-defer4", "int6"))
-    assert deferred == plain + shape.num_heads * (3 * 256 * 2 + 128 * 4)
+    # GDN's layout, as the eval counts it (Method.state_bytes): 3 u_j and a gate per head, 3 k_j per q/k head
+    assert deferred == plain + shape.linear_layers * (shape.heads * (3 * 128 * 2 + 4)
+                                                      + shape.key_heads * 3 * 128 * 2)
     for name, message in (("int6-defer1", "every 2..16"), ("int6-defer17", "every 2..16"),
                           ("int6-ef4-defer4", "stateless"), ("int6-defer4-ef4", "applied once"),
                           ("mixed-defer4", "valid names")):

@@ -168,10 +168,13 @@ def stepquant_bytes(shape: ModelShape, bits: int, pivots: int | None = None) -> 
 def codec_bytes(codec, shape: ModelShape) -> StateBytes:
     """Bytes of any :class:`~stepquant.codecs.base.Codec`: its ``storage_bits`` per layer x layers.
 
-    Serving bytes come from ``storage_bits(H, K, V)``, analytical bytes from ``analytical=True`` where
-    the codec takes that keyword (they differ only for formats with FP16 pivot heads).
+    Serving bytes come from ``storage_bits(H, K, V)`` of ``codec.for_shape(shape)`` (a deferred format's
+    buffers in the model's layout), analytical bytes from ``analytical=True`` where the codec takes that
+    keyword (they differ only for formats with FP16 pivot heads).
     """
     _check_shape(shape)
+    for_shape = getattr(codec, "for_shape", None)  # Codec's: the model's layout (GDN's shared pending k_j)
+    codec = for_shape(shape) if callable(for_shape) else codec
     storage_bits = getattr(codec, "storage_bits", None)
     if not callable(storage_bits):
         raise TypeError(f"codec must implement storage_bits(num_heads, key_dim, value_dim), got {codec!r}")
